@@ -1,0 +1,1 @@
+"""Generated from proto/handoff/v1/coordinator.proto by `make stubs`. Do not edit."""

@@ -1,0 +1,1 @@
+"""handoff_client: the SDK for frontends and engine sidecars."""

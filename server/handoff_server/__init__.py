@@ -1,0 +1,1 @@
+"""handoff: a coordinator for prefill-to-decode KV-cache handoffs."""

@@ -1,0 +1,29 @@
+"""The `handoff` command: one subcommand per job, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from handoff_server import replay
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="handoff",
+        description="Coordinate prefill-to-decode KV-cache handoffs for disaggregated LLM serving.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    replay.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""The handoff state machine: the one module that owns every transition.
+
+Pure in the sans-IO sense: no I/O, no clock, no asyncio. The registry feeds it
+facts and outcomes and routes the actions it returns.
+
+Every public call is atomic. All checks that can reject a call run before the
+first attribute is written, so a rejected call leaves the handoff exactly as
+it was (DESIGN.md, correction 5).
+"""
+
+from __future__ import annotations
+
+import math
+
+from handoff_server.model import (
+    ALLOWED_OUTCOMES,
+    CLEANUP_KINDS,
+    TERMINAL_FACTS,
+    Action,
+    ActionKind,
+    Completion,
+    DestinationReserved,
+    Fact,
+    FailedPrecondition,
+    InvalidArgument,
+    LifecycleEvent,
+    NotFound,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    SourceHeld,
+    TransferCompleted,
+    TransferTiming,
+    validate_delay_ms,
+)
+
+NO_ACTIONS: tuple[Action, ...] = ()
+
+# Enum members bound once: a class-attribute lookup on an Enum costs about ten
+# times a global lookup, and the hot paths test members on every call.
+ACTIVE, CLEANING_UP, COMPLETE = Phase.ACTIVE, Phase.CLEANING_UP, Phase.COMPLETE
+SUCCESS, CANCELED = Completion.SUCCESS, Completion.CANCELED
+SOURCE_FIRST, DESTINATION_FIRST = Order.SOURCE_FIRST, Order.DESTINATION_FIRST
+FAILED = OutcomeKind.FAILED
+DO_SUBMIT_PREFILL = ActionKind.SUBMIT_PREFILL
+DO_RESERVE_DESTINATION = ActionKind.RESERVE_DESTINATION
+DO_START_TRANSFER = ActionKind.START_TRANSFER
+DO_ACTIVATE_DESTINATION = ActionKind.ACTIVATE_DESTINATION
+DO_RELEASE_SOURCE = ActionKind.RELEASE_SOURCE
+DO_CANCEL_SOURCE = ActionKind.CANCEL_SOURCE
+DO_CANCEL_DESTINATION = ActionKind.CANCEL_DESTINATION
+DO_COMPLETE = ActionKind.COMPLETE
+EV_SOURCE_HELD = LifecycleEvent.SOURCE_HELD
+EV_DESTINATION_ACCEPTED = LifecycleEvent.DESTINATION_ACCEPTED
+EV_DESTINATION_RESERVED = LifecycleEvent.DESTINATION_RESERVED
+EV_DESTINATION_ACTIVATED = LifecycleEvent.DESTINATION_ACTIVATED
+EV_SOURCE_RELEASED = LifecycleEvent.SOURCE_RELEASED
+EV_COMPLETED = LifecycleEvent.COMPLETED
+
+
+class Handoff:
+    """One prefill-to-decode ownership handoff."""
+
+    __slots__ = (
+        "handoff_id",
+        "order",
+        "fallback_transfer_delay_ms",
+        "_phase",
+        "_completion",
+        "_started",
+        "_next_action_id",
+        "_issued",
+        "_outcomes",
+        "_lifecycle",
+        # source side
+        "_submit_issued",
+        "_submitted",
+        "_held",
+        "_transfer_timing",
+        "_release_issued",
+        "_source_cancel_issued",
+        "_source_done",
+        # destination side
+        "_reserve_issued",
+        "_accepted",
+        "_reserved",
+        "_transferable_tokens",
+        "_activation_issued",
+        "_activation_applied",
+        "_destination_cancel_issued",
+        "_destination_done",
+        # transfer
+        "_transfer_delay_ms",
+        "_transfer_issued",
+        "_transfer_scheduled",
+        "_transfer_completed",
+    )
+
+    def __init__(self, handoff_id: str, order: Order, fallback_transfer_delay_ms: float) -> None:
+        if not (math.isfinite(fallback_transfer_delay_ms) and fallback_transfer_delay_ms >= 0.0):
+            raise InvalidArgument("invalid fallback transfer delay")
+        self.handoff_id = handoff_id
+        self.order = order
+        self.fallback_transfer_delay_ms = fallback_transfer_delay_ms
+        self._phase = ACTIVE
+        self._completion: Completion | None = None
+        self._started = False
+        self._next_action_id = 0
+        # The journal: issued actions awaiting or holding their outcome. Cleared
+        # on completion, after which outcomes are acknowledged without checks.
+        self._issued: dict[int, Action] = {}
+        self._outcomes: dict[int, Outcome] = {}
+        self._lifecycle: list[LifecycleEvent] = []
+        self._submit_issued = False
+        self._submitted = False
+        self._held = False
+        self._transfer_timing: TransferTiming | None = None
+        self._release_issued = False
+        self._source_cancel_issued = False
+        self._source_done = False
+        self._reserve_issued = False
+        self._accepted = False
+        self._reserved = False
+        self._transferable_tokens = 0
+        self._activation_issued = False
+        self._activation_applied = False
+        self._destination_cancel_issued = False
+        self._destination_done = False
+        self._transfer_delay_ms = 0.0
+        self._transfer_issued = False
+        self._transfer_scheduled = False
+        self._transfer_completed = False
+
+    # --- what callers may read ------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def completion(self) -> Completion | None:
+        return self._completion
+
+    @property
+    def lifecycle(self) -> tuple[LifecycleEvent, ...]:
+        return tuple(self._lifecycle)
+
+    @property
+    def outstanding(self) -> tuple[Action, ...]:
+        """Issued actions still waiting for their outcome, in issue order."""
+        return tuple(a for i, a in self._issued.items() if i not in self._outcomes)
+
+    def is_outstanding(self, action_id: int) -> bool:
+        return action_id in self._issued and action_id not in self._outcomes
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Every piece of state, as comparable values: two equal snapshots are one state."""
+        values: list[object] = []
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                value = tuple(value.items())
+            elif isinstance(value, list):
+                value = tuple(value)
+            values.append(value)
+        return tuple(values)
+
+    # --- calls ------------------------------------------------------------
+
+    def start(self) -> tuple[Action, ...]:
+        # A terminal fact before start completes the handoff with nothing
+        # issued; starting it then would issue work nothing can ever retire.
+        if self._started or self._phase is not ACTIVE:
+            return NO_ACTIONS
+        self._started = True
+        if self.order is SOURCE_FIRST:
+            return (self._issue_submit_prefill(),)
+        return (self._issue_reserve_destination(),)
+
+    def apply_fact(self, fact: Fact) -> tuple[Action, ...]:
+        # Payloads are validated whatever the phase, so a malformed report is
+        # always answered as malformed rather than silently absorbed.
+        if isinstance(fact, SourceHeld):
+            fact.transfer_timing.validate()
+        elif isinstance(fact, DestinationReserved) and fact.transferable_prompt_tokens < 0:
+            raise InvalidArgument(
+                f"invalid transferable prompt tokens {fact.transferable_prompt_tokens}"
+            )
+
+        if self._phase is not ACTIVE:
+            if (
+                self._phase is COMPLETE
+                and self._completion is SUCCESS
+                and isinstance(fact, TERMINAL_FACTS)
+            ):
+                # A terminal fact after success: the destination owns the
+                # request and is still decoding, so it must be canceled.
+                self._phase = CLEANING_UP
+                return self._advance_cleanup()
+            return NO_ACTIONS
+
+        if isinstance(fact, SourceHeld):
+            return self._on_source_held(fact.transfer_timing)
+        if isinstance(fact, DestinationReserved):
+            return self._on_destination_reserved(fact.transferable_prompt_tokens)
+        if isinstance(fact, TransferCompleted):
+            if self._transfer_completed:
+                return NO_ACTIONS
+            if not self._transfer_scheduled:
+                raise FailedPrecondition("transfer completed before it was scheduled")
+            self._transfer_completed = True
+            return self._advance_active()
+        self._phase = CLEANING_UP
+        return self._advance_cleanup()
+
+    def apply_outcome(self, action_id: int, outcome: Outcome) -> tuple[Action, ...]:
+        if self._phase is COMPLETE:
+            return NO_ACTIONS
+        action = self._issued.get(action_id)
+        if action is None:
+            raise NotFound(f"unknown handoff action {action_id}")
+        previous = self._outcomes.get(action_id)
+        if previous is not None:
+            if previous != outcome:
+                raise FailedPrecondition(f"conflicting outcome for handoff action {action_id}")
+            return NO_ACTIONS
+        kind = action.kind
+
+        if outcome.kind is FAILED:
+            if kind is DO_CANCEL_SOURCE or kind is DO_CANCEL_DESTINATION:
+                raise FailedPrecondition(f"handoff cleanup action {action_id} failed")
+            self._outcomes[action_id] = outcome
+            self._phase = CLEANING_UP
+            return self._advance_cleanup()
+
+        if outcome.kind not in ALLOWED_OUTCOMES[kind]:
+            raise InvalidArgument(f"invalid handoff action outcome {outcome.describe()}")
+        self._outcomes[action_id] = outcome
+
+        if kind is DO_SUBMIT_PREFILL:
+            self._submitted = True
+        elif kind is DO_RESERVE_DESTINATION:
+            self._accepted = True
+            self._lifecycle.append(EV_DESTINATION_ACCEPTED)
+        elif kind is DO_START_TRANSFER:
+            self._transfer_scheduled = True
+        elif kind is DO_ACTIVATE_DESTINATION:
+            self._activation_applied = True
+            self._lifecycle.append(EV_DESTINATION_ACTIVATED)
+        elif kind is DO_CANCEL_DESTINATION:
+            self._destination_done = True
+        else:
+            assert kind in CLEANUP_KINDS
+            if kind is DO_RELEASE_SOURCE:
+                self._lifecycle.append(EV_SOURCE_RELEASED)
+            self._source_done = True
+
+        if self._phase is ACTIVE:
+            return self._advance_active()
+        return self._advance_cleanup()
+
+    # --- transitions ------------------------------------------------------
+
+    def _on_source_held(self, timing: TransferTiming) -> tuple[Action, ...]:
+        if self._held:
+            return NO_ACTIONS
+        if not self._submitted:
+            raise FailedPrecondition("source held before prefill submission was acknowledged")
+        if self._reserved and not self._transfer_issued:
+            self._transfer_delay_ms = self._scheduled_delay(timing, self._transferable_tokens)
+        self._held = True
+        self._transfer_timing = timing
+        self._lifecycle.append(EV_SOURCE_HELD)
+        return self._advance_active()
+
+    def _on_destination_reserved(self, tokens: int) -> tuple[Action, ...]:
+        if self._reserved:
+            return NO_ACTIONS
+        if not self._accepted:
+            raise FailedPrecondition("destination reserved before ownership was accepted")
+        timing = self._transfer_timing
+        if timing is not None and not self._transfer_issued:
+            self._transfer_delay_ms = self._scheduled_delay(timing, tokens)
+        self._reserved = True
+        self._transferable_tokens = tokens
+        self._lifecycle.append(EV_DESTINATION_RESERVED)
+        return self._advance_active()
+
+    def _scheduled_delay(self, timing: TransferTiming, tokens: int) -> float:
+        # Validated where it is computed: in DESTINATION_MISSING mode the
+        # token count comes from the destination and is bounded by nothing.
+        delay = timing.delay_ms(tokens)
+        if delay is None:
+            delay = self.fallback_transfer_delay_ms
+        validate_delay_ms(delay)
+        return delay
+
+    def _advance_active(self) -> tuple[Action, ...]:
+        if self.order is SOURCE_FIRST and self._held and not self._reserve_issued:
+            return (self._issue_reserve_destination(),)
+        if self.order is DESTINATION_FIRST and self._reserved and not self._submit_issued:
+            return (self._issue_submit_prefill(),)
+        if self._held and self._reserved and not self._transfer_issued:
+            self._transfer_issued = True
+            return (self._issue(DO_START_TRANSFER, self._transfer_delay_ms),)
+        if self._transfer_completed and not self._activation_issued:
+            self._activation_issued = True
+            return (self._issue(DO_ACTIVATE_DESTINATION),)
+        if self._activation_applied and not self._release_issued:
+            self._release_issued = True
+            return (self._issue(DO_RELEASE_SOURCE),)
+        if self._source_done:
+            return (self._complete(),)
+        return NO_ACTIONS
+
+    def _advance_cleanup(self) -> tuple[Action, ...]:
+        actions: list[Action] = []
+        if self._submit_issued and not self._source_cancel_issued and not self._source_done:
+            self._source_cancel_issued = True
+            actions.append(self._issue(DO_CANCEL_SOURCE))
+        if (
+            self._reserve_issued
+            and not self._destination_cancel_issued
+            and not self._destination_done
+        ):
+            self._destination_cancel_issued = True
+            actions.append(self._issue(DO_CANCEL_DESTINATION))
+        if (
+            not actions
+            and (not self._submit_issued or self._source_done)
+            and (not self._reserve_issued or self._destination_done)
+        ):
+            actions.append(self._complete())
+        return tuple(actions)
+
+    def _issue_submit_prefill(self) -> Action:
+        self._submit_issued = True
+        return self._issue(DO_SUBMIT_PREFILL)
+
+    def _issue_reserve_destination(self) -> Action:
+        self._reserve_issued = True
+        return self._issue(DO_RESERVE_DESTINATION)
+
+    def _complete(self) -> Action:
+        self._completion = CANCELED if self._phase is CLEANING_UP else SUCCESS
+        self._phase = COMPLETE
+        action = self._issue(DO_COMPLETE)
+        self._issued.clear()
+        self._outcomes.clear()
+        self._lifecycle.append(EV_COMPLETED)
+        return action
+
+    def _issue(self, kind: ActionKind, delay_ms: float | None = None) -> Action:
+        action = Action(self._next_action_id, kind, delay_ms)
+        self._next_action_id += 1
+        self._issued[action.id] = action
+        return action

@@ -1,0 +1,256 @@
+"""The vocabulary of a handoff: orders, facts, actions, outcomes, errors.
+
+Everything here is an immutable value. The transitions between them live in
+:mod:`handoff_server.core` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class Order(enum.Enum):
+    """Which side of the handoff moves first."""
+
+    SOURCE_FIRST = "source_first"  # vLLM, TensorRT-LLM: prefill holds, decode pulls.
+    DESTINATION_FIRST = "destination_first"  # SGLang: decode reserves, prefill writes.
+
+
+class Phase(enum.Enum):
+    ACTIVE = "active"
+    CLEANING_UP = "cleaning_up"
+    COMPLETE = "complete"
+
+
+class Completion(enum.Enum):
+    SUCCESS = "success"
+    CANCELED = "canceled"
+
+
+class ActionKind(enum.Enum):
+    # Identity hashing in C: Enum's default hashes the name in Python, and the
+    # core looks kinds up in dicts on every call.
+    __hash__ = object.__hash__
+
+    SUBMIT_PREFILL = "submit_prefill"
+    RESERVE_DESTINATION = "reserve_destination"
+    START_TRANSFER = "start_transfer"
+    ACTIVATE_DESTINATION = "activate_destination"
+    RELEASE_SOURCE = "release_source"
+    CANCEL_SOURCE = "cancel_source"
+    CANCEL_DESTINATION = "cancel_destination"
+    COMPLETE = "complete"
+
+
+class OutcomeKind(enum.Enum):
+    __hash__ = object.__hash__  # see ActionKind
+
+    SUBMITTED = "submitted"
+    ACCEPTED = "accepted"
+    SCHEDULED = "scheduled"
+    APPLIED = "applied"
+    NOOP = "noop"
+    FAILED = "failed"
+
+
+class TimingMode(enum.Enum):
+    FULL_PROMPT = "full_prompt"
+    DESTINATION_MISSING = "destination_missing"
+
+
+class LifecycleEvent(enum.Enum):
+    """The normalized lifecycle: what a caller can prove happened, in order."""
+
+    SOURCE_HELD = "source_held"
+    DESTINATION_ACCEPTED = "destination_accepted"
+    DESTINATION_RESERVED = "destination_reserved"
+    DESTINATION_ACTIVATED = "destination_activated"
+    SOURCE_RELEASED = "source_released"
+    COMPLETED = "completed"
+
+
+EXPECTED_LIFECYCLE: dict[Order, tuple[LifecycleEvent, ...]] = {
+    Order.SOURCE_FIRST: (
+        LifecycleEvent.SOURCE_HELD,
+        LifecycleEvent.DESTINATION_ACCEPTED,
+        LifecycleEvent.DESTINATION_RESERVED,
+        LifecycleEvent.DESTINATION_ACTIVATED,
+        LifecycleEvent.SOURCE_RELEASED,
+        LifecycleEvent.COMPLETED,
+    ),
+    Order.DESTINATION_FIRST: (
+        LifecycleEvent.DESTINATION_ACCEPTED,
+        LifecycleEvent.DESTINATION_RESERVED,
+        LifecycleEvent.SOURCE_HELD,
+        LifecycleEvent.DESTINATION_ACTIVATED,
+        LifecycleEvent.SOURCE_RELEASED,
+        LifecycleEvent.COMPLETED,
+    ),
+}
+
+# Cleanup actions free memory; they may be applied or found to have nothing to do.
+CLEANUP_KINDS = frozenset(
+    {ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE, ActionKind.CANCEL_DESTINATION}
+)
+
+ALLOWED_OUTCOMES: dict[ActionKind, frozenset[OutcomeKind]] = {
+    ActionKind.SUBMIT_PREFILL: frozenset({OutcomeKind.SUBMITTED}),
+    ActionKind.RESERVE_DESTINATION: frozenset({OutcomeKind.ACCEPTED}),
+    ActionKind.START_TRANSFER: frozenset({OutcomeKind.SCHEDULED}),
+    ActionKind.ACTIVATE_DESTINATION: frozenset({OutcomeKind.APPLIED}),
+    ActionKind.RELEASE_SOURCE: frozenset({OutcomeKind.APPLIED, OutcomeKind.NOOP}),
+    ActionKind.CANCEL_SOURCE: frozenset({OutcomeKind.APPLIED, OutcomeKind.NOOP}),
+    ActionKind.CANCEL_DESTINATION: frozenset({OutcomeKind.APPLIED, OutcomeKind.NOOP}),
+    ActionKind.COMPLETE: frozenset(),
+}
+
+
+def format_float(value: float) -> str:
+    """Render a float the way the reference does in its messages: 1, 0.5, inf, NaN."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == int(value) and abs(value) < 1e16:
+        return str(int(value))
+    return repr(value)
+
+
+# --- errors ---------------------------------------------------------------
+
+
+class HandoffError(Exception):
+    """A rejected call. The handoff is exactly as it was before the call."""
+
+    code: str = "UNKNOWN"  # the gRPC status code name this rejection maps to
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(HandoffError):
+    """Malformed or impossible values, or an outcome kind the action does not allow."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class FailedPrecondition(HandoffError):
+    """Well-formed, but not allowed in the handoff's current state."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class NotFound(HandoffError):
+    """An unknown action id."""
+
+    code = "NOT_FOUND"
+
+
+# --- values -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TransferTiming:
+    """How the source sizes the KV transfer it is about to hold."""
+
+    mode: TimingMode
+    full_prompt_tokens: int
+    kv_bytes_per_token: int | None = None
+    bandwidth_gb_s: float | None = None
+    state_bytes: int = 0  # a per-request constant, e.g. a recurrent-state copy
+
+    def delay_ms(self, transferable_prompt_tokens: int) -> float | None:
+        """The modelled transfer time, or None when the model is incomplete."""
+        if self.kv_bytes_per_token is None or self.bandwidth_gb_s is None:
+            return None
+        if not self.bandwidth_gb_s > 0.0:
+            return None
+        tokens = (
+            self.full_prompt_tokens
+            if self.mode is TimingMode.FULL_PROMPT
+            else transferable_prompt_tokens
+        )
+        payload = float(tokens) * float(self.kv_bytes_per_token) + float(self.state_bytes)
+        return payload / (self.bandwidth_gb_s * 1e9) * 1000.0
+
+    def validate(self) -> None:
+        """Reject a timing that can never yield a usable delay."""
+        bandwidth = self.bandwidth_gb_s
+        if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth >= 0.0):
+            raise InvalidArgument(f"invalid handoff transfer bandwidth {format_float(bandwidth)}")
+        full_prompt = TransferTiming(
+            TimingMode.FULL_PROMPT,
+            self.full_prompt_tokens,
+            self.kv_bytes_per_token,
+            bandwidth,
+            self.state_bytes,
+        )
+        validate_delay_ms(full_prompt.delay_ms(0))
+
+
+def validate_delay_ms(delay_ms: float | None) -> None:
+    if delay_ms is not None and not (math.isfinite(delay_ms) and delay_ms >= 0.0):
+        raise InvalidArgument(f"invalid handoff transfer delay {format_float(delay_ms)}")
+
+
+@dataclass(frozen=True, slots=True)
+class SourceHeld:
+    """The prefill finished and holds its KV blocks for the transfer."""
+
+    transfer_timing: TransferTiming
+
+
+@dataclass(frozen=True, slots=True)
+class DestinationReserved:
+    """The decode engine reserved room for this many prompt tokens."""
+
+    transferable_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCompleted:
+    """The KV bytes have arrived at the destination."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """Terminal: something broke; clean up."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """Terminal: the handoff ran out of time; clean up."""
+
+
+@dataclass(frozen=True, slots=True)
+class Canceled:
+    """Terminal: the client no longer wants the request; clean up."""
+
+
+Fact = SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled
+TERMINAL_FACTS = (Failed, TimedOut, Canceled)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an engine reports after executing an action."""
+
+    kind: OutcomeKind
+    reason: str = ""  # only meaningful for FAILED
+
+    def describe(self) -> str:
+        if self.kind is OutcomeKind.FAILED:
+            return f"Failed({self.reason!r})"
+        return self.kind.name.capitalize()
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """An instruction the coordinator issued, numbered per handoff from 0."""
+
+    id: int
+    kind: ActionKind
+    delay_ms: float | None = None  # set for START_TRANSFER only
