@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from handoff_server import replay
+from handoff_server import health, replay
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     replay.add_parser(commands)
+    health.add_parser(commands)
     return parser
 
 
