@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from handoff_server import health, replay
+from handoff_server import health, inspect_cmd, replay, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Coordinate prefill-to-decode KV-cache handoffs for disaggregated LLM serving.",
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    serve.add_parser(commands)
+    inspect_cmd.add_parser(commands)
     replay.add_parser(commands)
     health.add_parser(commands)
     return parser

@@ -166,6 +166,16 @@ class Handoff:
             values.append(value)
         return tuple(values)
 
+    def clone(self) -> Handoff:
+        """An independent copy, for callers that must undo a call that crashed."""
+        copy = object.__new__(Handoff)
+        for name in self.__slots__:
+            setattr(copy, name, getattr(self, name))
+        copy._issued = self._issued.copy()
+        copy._outcomes = self._outcomes.copy()
+        copy._lifecycle = self._lifecycle.copy()
+        return copy
+
     # --- calls ------------------------------------------------------------
 
     def start(self) -> tuple[Action, ...]:

@@ -144,9 +144,33 @@ class FailedPrecondition(HandoffError):
 
 
 class NotFound(HandoffError):
-    """An unknown action id."""
+    """An unknown action id or handoff."""
 
     code = "NOT_FOUND"
+
+
+class AlreadyExists(HandoffError):
+    """A handoff id that is live or still retained."""
+
+    code = "ALREADY_EXISTS"
+
+
+class ResourceExhausted(HandoffError):
+    """An admission limit was reached."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(HandoffError):
+    """The server is draining and takes no new handoffs."""
+
+    code = "UNAVAILABLE"
+
+
+class Internal(HandoffError):
+    """An unexpected failure; the handoff was restored to its state before the call."""
+
+    code = "INTERNAL"
 
 
 # --- values -------------------------------------------------------------

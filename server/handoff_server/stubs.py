@@ -31,15 +31,18 @@ def generate(out: Path) -> None:
     from grpc_tools import protoc
 
     well_known = Path(grpc_tools.__file__).parent / "_proto"
-    plugin = Path(sys.executable).parent / "protoc-gen-mypy_grpc"
+    plugins = Path(sys.executable).parent
     args = [
         "protoc",
         f"-I{PROTO_ROOT}",
         f"-I{well_known}",
         f"--python_out={out}",
-        f"--pyi_out={out}",
         f"--grpc_python_out={out}",
-        f"--plugin=protoc-gen-mypy_grpc={plugin}",
+        # mypy-protobuf's stubs, unlike protoc's own --pyi_out, type enums
+        # and are clean under mypy --strict.
+        f"--plugin=protoc-gen-mypy={plugins / 'protoc-gen-mypy'}",
+        f"--mypy_out={out}",
+        f"--plugin=protoc-gen-mypy_grpc={plugins / 'protoc-gen-mypy_grpc'}",
         f"--mypy_grpc_out={out}",
         *PROTOS,
     ]

@@ -1,0 +1,142 @@
+"""The running service: gRPC server, health, reflection, metrics endpoint, timers, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.config import Settings
+from handoff_server.metrics import Metrics
+from handoff_server.registry import Clock, Registry
+from handoff_server.servicer import Servicer
+
+log = logging.getLogger("handoff.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name
+
+
+class WallClock:
+    """Unix time that never jumps: anchored once, then advanced by the monotonic clock."""
+
+    def __init__(self) -> None:
+        self._offset = time.time() - time.monotonic()
+
+    def __call__(self) -> float:
+        return self._offset + time.monotonic()
+
+
+class Server:
+    def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock if clock is not None else WallClock()
+        self.metrics = Metrics()
+        self._timer_wakeup = asyncio.Event()
+        self.registry = Registry(settings, self.metrics, self.clock, self._timer_wakeup.set)
+        self.health = HealthServicer()
+        self.port = 0
+        self.metrics_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._metrics_server: Callable[[], None] | None = None
+        self._timers: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()
+        self.registry.on_idle(self._idle.set)
+
+    async def start(self) -> None:
+        settings = self.settings
+        server = grpc.aio.server()
+        pb_grpc.add_HandoffCoordinatorServicer_to_server(
+            Servicer(self.registry, self.metrics), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC on {settings.host}:{settings.port}")
+        await server.start()
+        self._grpc = server
+        if settings.metrics_port >= 0:
+            http, thread = start_http_server(
+                settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
+            )
+            self.metrics_port = http.server_port
+
+            def stop_metrics() -> None:
+                http.shutdown()
+                thread.join()
+
+            self._metrics_server = stop_metrics
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._timers = asyncio.create_task(self._run_timers(), name="handoff-timers")
+        log.info(
+            "serving gRPC on %s:%d, metrics on %s:%d",
+            settings.host,
+            self.port,
+            settings.metrics_host,
+            self.metrics_port,
+        )
+
+    async def _run_timers(self) -> None:
+        """Sleep until the registry's next timer (or an earlier one appears), then fire."""
+        while True:
+            wakeup = self.registry.next_wakeup()
+            self._timer_wakeup.clear()
+            if wakeup is None:
+                await self._timer_wakeup.wait()
+            else:
+                delay = wakeup - self.clock()
+                if delay > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._timer_wakeup.wait(), delay)
+            self.registry.fire_due()
+
+    async def wait_idle(self, within_s: float) -> bool:
+        """Until no handoff is active or cleaning up; False if ``within_s`` passed first."""
+        try:
+            async with asyncio.timeout(within_s):
+                while self.registry.active_count > 0:
+                    self._idle.clear()
+                    await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def stop(self) -> None:
+        """Drain: refuse new handoffs, let active ones finish, cancel the rest, clean up."""
+        grace = self.settings.drain_grace_s
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.registry.draining = True
+        log.info("draining: %d handoffs unfinished", self.registry.active_count)
+        if not await self.wait_idle(grace):
+            canceled = self.registry.cancel_active("server shutting down")
+            log.warning("drain grace over; canceled %d handoffs", canceled)
+            if not await self.wait_idle(grace):
+                log.error("%d handoffs still cleaning up at exit", self.registry.active_count)
+        if self._timers is not None:
+            self._timers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timers
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        if self._metrics_server is not None:
+            self._metrics_server()
+        log.info("stopped")

@@ -1,0 +1,250 @@
+"""Protobuf messages to domain values and back, validating every field on the way in.
+
+A violation raises InvalidArgument naming the field, before anything is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff_server.model import (
+    Action,
+    ActionKind,
+    Canceled,
+    Completion,
+    DestinationReserved,
+    Fact,
+    Failed,
+    InvalidArgument,
+    LifecycleEvent,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    SourceHeld,
+    TimedOut,
+    TimingMode,
+    TransferCompleted,
+    TransferTiming,
+)
+from handoff_server.registry import Dispatch, Entry, Role, StartRequest
+
+ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+MAX_REASON_BYTES = 1024
+
+ORDERS = {
+    pb.HANDOFF_ORDER_SOURCE_FIRST: Order.SOURCE_FIRST,
+    pb.HANDOFF_ORDER_DESTINATION_FIRST: Order.DESTINATION_FIRST,
+}
+ORDER_OF_ENGINE = {
+    pb.ENGINE_TYPE_VLLM: Order.SOURCE_FIRST,
+    pb.ENGINE_TYPE_TRTLLM: Order.SOURCE_FIRST,
+    pb.ENGINE_TYPE_SGLANG: Order.DESTINATION_FIRST,
+}
+EXECUTORS = {
+    pb.ROLE_UNSPECIFIED: Role.SOURCE,
+    pb.ROLE_SOURCE: Role.SOURCE,
+    pb.ROLE_DESTINATION: Role.DESTINATION,
+}
+TIMING_MODES = {
+    pb.TRANSFER_TIMING_MODE_FULL_PROMPT: TimingMode.FULL_PROMPT,
+    pb.TRANSFER_TIMING_MODE_DESTINATION_MISSING: TimingMode.DESTINATION_MISSING,
+}
+OUTCOMES = {
+    pb.OUTCOME_KIND_SUBMITTED: OutcomeKind.SUBMITTED,
+    pb.OUTCOME_KIND_ACCEPTED: OutcomeKind.ACCEPTED,
+    pb.OUTCOME_KIND_SCHEDULED: OutcomeKind.SCHEDULED,
+    pb.OUTCOME_KIND_APPLIED: OutcomeKind.APPLIED,
+    pb.OUTCOME_KIND_NOOP: OutcomeKind.NOOP,
+    pb.OUTCOME_KIND_FAILED: OutcomeKind.FAILED,
+}
+ACTION_KINDS = {kind: pb.ActionKind.Value("ACTION_KIND_" + kind.name) for kind in ActionKind}
+ROLES = {
+    Role.SOURCE: pb.ROLE_SOURCE,
+    Role.DESTINATION: pb.ROLE_DESTINATION,
+    Role.BOTH: pb.ROLE_BOTH,
+}
+PHASES = {phase: pb.Phase.Value("PHASE_" + phase.name) for phase in Phase}
+COMPLETIONS = {c: pb.Completion.Value("COMPLETION_" + c.name) for c in Completion}
+PB_ORDERS = {order: value for value, order in ORDERS.items()}
+EVENTS = {
+    event: pb.LifecycleEventKind.Value("LIFECYCLE_EVENT_KIND_" + event.name)
+    for event in LifecycleEvent
+}
+
+
+# --- in ---------------------------------------------------------------------
+
+
+def handoff_id(value: str, field: str = "handoff_id") -> str:
+    """The canonical lower-case form of a UUID."""
+    if len(value) > 64:
+        raise InvalidArgument(f"{field} must be a UUID, got {len(value)} characters")
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise InvalidArgument(f"{field} must be a UUID, got {value!r}") from None
+
+
+def engine_id(value: str, field: str = "engine_id") -> str:
+    if not ENGINE_ID.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidArgument(f"{field} must be 1-128 characters of [A-Za-z0-9._:-], got {shown!r}")
+    return value
+
+
+def _finite_non_negative(value: float, field: str) -> float:
+    if not (math.isfinite(value) and value >= 0.0):
+        raise InvalidArgument(f"{field} must be finite and >= 0, got {value}")
+    return value
+
+
+def start_request(request: pb.StartHandoffRequest) -> StartRequest:
+    order = ORDERS.get(request.order)
+    implied = ORDER_OF_ENGINE.get(request.engine_type)
+    if request.order and order is None:
+        raise InvalidArgument(f"order has an unknown value {request.order}")
+    if request.engine_type and implied is None:
+        raise InvalidArgument(f"engine_type has an unknown value {request.engine_type}")
+    if order is None and implied is None:
+        raise InvalidArgument("order or engine_type is required")
+    if order is not None and implied is not None and order is not implied:
+        raise InvalidArgument(
+            f"order {order.value} contradicts engine_type "
+            f"{pb.EngineType.Name(request.engine_type)} (which implies {implied.value})"
+        )
+    executor = EXECUTORS.get(request.transfer_executor)
+    if executor is None:
+        raise InvalidArgument("transfer_executor must be ROLE_SOURCE or ROLE_DESTINATION")
+    timeout_s: float | None = None
+    if request.HasField("timeout_s"):
+        timeout_s = _finite_non_negative(request.timeout_s, "timeout_s")
+        if timeout_s == 0.0:
+            raise InvalidArgument("timeout_s must be > 0 when given")
+    resolved = order if order is not None else implied
+    assert resolved is not None
+    return StartRequest(
+        handoff_id=handoff_id(request.handoff_id),
+        order=resolved,
+        source_engine_id=engine_id(request.source_engine_id, "source_engine_id"),
+        destination_engine_id=engine_id(request.destination_engine_id, "destination_engine_id"),
+        fallback_transfer_delay_ms=_finite_non_negative(
+            request.fallback_transfer_delay_ms, "fallback_transfer_delay_ms"
+        ),
+        transfer_executor=executor,
+        timeout_s=timeout_s,
+    )
+
+
+def fact(message: pb.Fact) -> Fact:
+    which = message.WhichOneof("kind")
+    if which is None:
+        raise InvalidArgument("fact is required: set one of its kinds")
+    if which == "source_held":
+        if not message.source_held.HasField("transfer_timing"):
+            raise InvalidArgument("fact.source_held.transfer_timing is required")
+        timing = message.source_held.transfer_timing
+        mode = TIMING_MODES.get(timing.mode)
+        if mode is None:
+            raise InvalidArgument("fact.source_held.transfer_timing.mode is required")
+        # Bandwidth and delay are range-checked by the core, whose messages
+        # the conformance vectors define.
+        return SourceHeld(
+            TransferTiming(
+                mode=mode,
+                full_prompt_tokens=timing.full_prompt_tokens,
+                kv_bytes_per_token=timing.kv_bytes_per_token
+                if timing.HasField("kv_bytes_per_token")
+                else None,
+                bandwidth_gb_s=timing.bandwidth_gb_s if timing.HasField("bandwidth_gb_s") else None,
+                state_bytes=timing.state_bytes,
+            )
+        )
+    if which == "destination_reserved":
+        return DestinationReserved(message.destination_reserved.transferable_prompt_tokens)
+    if which == "failed":
+        _reason(message.failed.reason, "fact.failed.reason", required=False)
+        return Failed()
+    if which == "canceled":
+        _reason(message.canceled.reason, "fact.canceled.reason", required=False)
+        return Canceled()
+    return TransferCompleted() if which == "transfer_completed" else TimedOut()
+
+
+def _reason(value: str, field: str, required: bool) -> str:
+    if required and not value:
+        raise InvalidArgument(f"{field} is required for a failed outcome")
+    if len(value.encode()) > MAX_REASON_BYTES:
+        raise InvalidArgument(f"{field} must be at most {MAX_REASON_BYTES} bytes")
+    return value
+
+
+def outcome(message: pb.Outcome) -> Outcome:
+    kind = OUTCOMES.get(message.kind)
+    if kind is None:
+        raise InvalidArgument("outcome.kind is required")
+    if kind is OutcomeKind.FAILED:
+        return Outcome(kind, _reason(message.reason, "outcome.reason", required=True))
+    # A reason on a success means nothing; dropping it keeps a re-report with
+    # or without one from looking like a conflicting outcome.
+    return Outcome(kind)
+
+
+# --- out --------------------------------------------------------------------
+
+
+def timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(round(seconds * 1e9))
+    return stamp
+
+
+def action(dispatch: Dispatch) -> pb.Action:
+    message = pb.Action(
+        handoff_id=dispatch.handoff_id,
+        id=dispatch.action.id,
+        kind=ACTION_KINDS[dispatch.action.kind],
+        target=ROLES[dispatch.target],
+        attempt=dispatch.attempt,
+        engine_id=dispatch.engine_id,
+    )
+    if dispatch.action.delay_ms is not None:
+        message.delay_ms = dispatch.action.delay_ms
+    return message
+
+
+def outstanding_action(entry: Entry, core_action: Action) -> pb.Action:
+    role = entry.role_of(core_action.kind)
+    engines = entry.engine_for(role)
+    return action(Dispatch(entry.handoff_id, core_action, role, engines[0]))
+
+
+def handoff(entry: Entry) -> pb.Handoff:
+    core = entry.core
+    message = pb.Handoff(
+        handoff_id=entry.handoff_id,
+        order=PB_ORDERS[core.order],
+        phase=PHASES[core.phase],
+        completion=COMPLETIONS[core.completion]
+        if core.completion is not None
+        else pb.COMPLETION_UNSPECIFIED,
+        source_engine_id=entry.source_engine_id,
+        destination_engine_id=entry.destination_engine_id,
+        transfer_executor=ROLES[entry.transfer_executor],
+        outstanding_actions=[outstanding_action(entry, a) for a in core.outstanding],
+        lifecycle=[
+            pb.LifecycleEvent(kind=EVENTS[event], at=timestamp(at))
+            for event, at in zip(core.lifecycle, entry.lifecycle_at, strict=True)
+        ],
+        deadline=timestamp(entry.deadline),
+        started_at=timestamp(entry.started_at),
+        fallback_transfer_delay_ms=core.fallback_transfer_delay_ms,
+    )
+    if entry.completed_at is not None:
+        message.completed_at.CopyFrom(timestamp(entry.completed_at))
+    return message

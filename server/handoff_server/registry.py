@@ -1,0 +1,628 @@
+"""The registry: one core per handoff id, delivery to engines, timers, limits.
+
+Synchronous and clock-injected: it never sleeps and never awaits. The gRPC
+layer calls it, awaits the delivery hooks it exposes, and calls
+:meth:`Registry.fire_due` when :meth:`Registry.next_wakeup` says so; tests do
+the same with a fake clock and no waiting at all.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from handoff_server.config import Settings
+from handoff_server.core import Handoff
+from handoff_server.metrics import Metrics
+from handoff_server.model import (
+    CLEANUP_KINDS,
+    Action,
+    ActionKind,
+    AlreadyExists,
+    Canceled,
+    Fact,
+    Failed,
+    HandoffError,
+    Internal,
+    LifecycleEvent,
+    NotFound,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    ResourceExhausted,
+    TimedOut,
+    Unavailable,
+)
+from handoff_server.timers import Timer, TimerHeap
+
+log = logging.getLogger("handoff.registry")
+
+Clock = Callable[[], float]  # seconds since the Unix epoch, never going backwards
+
+MAX_REDELIVERY_DELAY_S = 30.0
+FACT_KIND = {
+    "SourceHeld": "source_held",
+    "DestinationReserved": "destination_reserved",
+    "TransferCompleted": "transfer_completed",
+    "Failed": "failed",
+    "TimedOut": "timed_out",
+    "Canceled": "canceled",
+}
+
+
+class Role(enum.Enum):
+    SOURCE = "source"
+    DESTINATION = "destination"
+    BOTH = "both"  # Complete: a notice to both engines
+
+
+# Who executes each action; START_TRANSFER goes to the handoff's executor.
+ROLE_OF: dict[ActionKind, Role] = {
+    ActionKind.SUBMIT_PREFILL: Role.SOURCE,
+    ActionKind.RELEASE_SOURCE: Role.SOURCE,
+    ActionKind.CANCEL_SOURCE: Role.SOURCE,
+    ActionKind.RESERVE_DESTINATION: Role.DESTINATION,
+    ActionKind.ACTIVATE_DESTINATION: Role.DESTINATION,
+    ActionKind.CANCEL_DESTINATION: Role.DESTINATION,
+    ActionKind.COMPLETE: Role.BOTH,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    handoff_id: str
+    order: Order
+    source_engine_id: str
+    destination_engine_id: str
+    fallback_transfer_delay_ms: float
+    transfer_executor: Role = Role.SOURCE
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """One action addressed to one engine; attempt counts writes to its streams."""
+
+    handoff_id: str
+    action: Action
+    target: Role
+    engine_id: str
+    attempt: int = 0
+
+
+class Entry:
+    """A handoff and what the registry knows about it beyond the core."""
+
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "started_at",
+        "deadline",
+        "completed_at",
+        "lifecycle_at",
+        "routed",
+        "held_at",
+        "cleanup_epoch",
+        "redelivery_round",
+    )
+
+    def __init__(self, core: Handoff, request: StartRequest, now: float, deadline: float) -> None:
+        self.core = core
+        self.source_engine_id = request.source_engine_id
+        self.destination_engine_id = request.destination_engine_id
+        self.transfer_executor = request.transfer_executor
+        self.started_at = now
+        self.deadline = deadline
+        self.completed_at: float | None = None
+        self.lifecycle_at: list[float] = []  # when each core.lifecycle event was proven
+        # Outstanding actions: id -> (issued at, kind, engines it went to).
+        self.routed: dict[int, tuple[float, ActionKind, tuple[str, ...]]] = {}
+        self.held_at: float | None = None
+        self.cleanup_epoch = 0  # bumps each time cleanup (re)starts; stales old timers
+        self.redelivery_round = 0
+
+    @property
+    def handoff_id(self) -> str:
+        return self.core.handoff_id
+
+    def engine_for(self, role: Role) -> tuple[str, ...]:
+        if role is Role.SOURCE:
+            return (self.source_engine_id,)
+        if role is Role.DESTINATION:
+            return (self.destination_engine_id,)
+        if self.source_engine_id == self.destination_engine_id:
+            return (self.source_engine_id,)
+        return (self.source_engine_id, self.destination_engine_id)
+
+    def role_of(self, kind: ActionKind) -> Role:
+        return self.transfer_executor if kind is ActionKind.START_TRANSFER else ROLE_OF[kind]
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    entry: Entry
+    actions: tuple[Dispatch, ...]
+
+
+class Subscription:
+    """One live engine stream. ``on_ready`` is called when there is work to take."""
+
+    __slots__ = ("engine_id", "on_ready", "closed")
+
+    def __init__(self, engine_id: str, on_ready: Callable[[], None]) -> None:
+        self.engine_id = engine_id
+        self.on_ready = on_ready
+        self.closed = False
+
+
+class EngineChannel:
+    __slots__ = ("engine_id", "queue", "unacked", "subscription", "epoch", "offline_since")
+
+    def __init__(self, engine_id: str, now: float, epoch: int) -> None:
+        self.engine_id = engine_id
+        # Waiting to be written, in order. Keyed (handoff id, action id).
+        self.queue: dict[tuple[str, int], Dispatch] = {}
+        # Every outstanding action of this engine, written or not (never Complete).
+        self.unacked: dict[tuple[str, int], Dispatch] = {}
+        self.subscription: Subscription | None = None
+        # Renewed on every (un)subscribe from a registry-wide counter, so a
+        # timer armed for an earlier stream, or a forgotten channel, never fires.
+        self.epoch = epoch
+        self.offline_since: float | None = now
+
+    def notify(self) -> None:
+        if self.subscription is not None:
+            self.subscription.on_ready()
+
+    def unreachable(self, now: float, delivery_timeout_s: float) -> bool:
+        return self.offline_since is not None and now - self.offline_since >= delivery_timeout_s
+
+
+class Registry:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        clock: Clock,
+        on_earlier_timer: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self._on_earlier_timer = on_earlier_timer
+        self._on_idle: list[Callable[[], None]] = []
+        self.handoffs: dict[str, Entry] = {}
+        self._retained: OrderedDict[str, float] = OrderedDict()  # id -> expiry, oldest first
+        self._channels: dict[str, EngineChannel] = {}
+        self._timers = TimerHeap(self._timer_is_live)
+        self._doomed: dict[str, None] = {}  # handoffs routed to an unreachable engine
+        self._epochs = itertools.count()
+        self.draining = False
+
+    # --- queries ------------------------------------------------------------
+
+    @property
+    def active_count(self) -> int:
+        """Handoffs not complete: active or cleaning up."""
+        return len(self.handoffs) - len(self._retained)
+
+    def get(self, handoff_id: str) -> Entry:
+        entry = self.handoffs.get(handoff_id)
+        if entry is None:
+            raise NotFound("no such handoff (never started, or no longer retained)")
+        return entry
+
+    def next_wakeup(self) -> float | None:
+        candidates = [t for t in (self._timers.next_at(), self._next_expiry()) if t is not None]
+        return min(candidates, default=None)
+
+    def on_idle(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` whenever the number of unfinished handoffs drops to zero."""
+        self._on_idle.append(callback)
+
+    # --- calls ------------------------------------------------------------
+
+    def start(self, request: StartRequest) -> CallResult:
+        if self.draining:
+            raise Unavailable("the server is shutting down and takes no new handoffs")
+        self._expire_retained(self.clock())
+        if request.handoff_id in self.handoffs:
+            raise AlreadyExists("this id is already in use (active or retained)")
+        if self.active_count >= self.settings.max_active_handoffs:
+            raise ResourceExhausted(
+                f"{self.active_count} handoffs are active, the limit is "
+                f"{self.settings.max_active_handoffs}"
+            )
+        for engine_id in {request.source_engine_id, request.destination_engine_id}:
+            channel = self._channels.get(engine_id)
+            if channel and len(channel.queue) >= self.settings.max_queued_actions_per_engine:
+                raise ResourceExhausted(
+                    f"engine {engine_id} has {len(channel.queue)} undelivered actions, the limit "
+                    f"is {self.settings.max_queued_actions_per_engine}"
+                )
+        core = Handoff(request.handoff_id, request.order, request.fallback_transfer_delay_ms)
+        now = self.clock()
+        timeout = (
+            self.settings.default_timeout_s if request.timeout_s is None else request.timeout_s
+        )
+        entry = Entry(core, request, now, now + timeout)
+        self.handoffs[request.handoff_id] = entry
+        self.metrics.started.inc()
+        self.metrics.handoffs_by[Phase.ACTIVE].inc()
+        self._schedule(entry.deadline, ("deadline", request.handoff_id), entry.deadline)
+        return CallResult(entry, self._call(entry, Handoff.start))
+
+    def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
+        entry = self.get(handoff_id)
+        dispatches = self._call(entry, lambda core: core.apply_fact(fact))
+        self.metrics.facts_by[(FACT_KIND[type(fact).__name__], origin)].inc()
+        return CallResult(entry, dispatches)
+
+    def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> CallResult:
+        entry = self.get(handoff_id)
+        acknowledging = entry.core.is_outstanding(action_id)
+        dispatches = self._call(
+            entry,
+            lambda core: core.apply_outcome(action_id, outcome),
+            acknowledged=(action_id, outcome) if acknowledging else None,
+        )
+        return CallResult(entry, dispatches)
+
+    def cancel_active(self, reason: str) -> int:
+        """Report Canceled on every ACTIVE handoff (shutdown); how many there were."""
+        active = [e for e in self.handoffs.values() if e.core.phase is Phase.ACTIVE]
+        for entry in active:
+            log.warning("canceling handoff: %s", reason, extra={"handoff_id": entry.handoff_id})
+            self._server_fact(entry, Canceled())
+        return len(active)
+
+    # --- engine streams ---------------------------------------------------
+
+    def subscribe(self, engine_id: str, on_ready: Callable[[], None]) -> Subscription:
+        """A new live stream for ``engine_id``; it replaces any previous one."""
+        channel = self._channel(engine_id)
+        previous = channel.subscription
+        if previous is not None:
+            previous.closed = True
+            previous.on_ready()  # wakes it so it sees it is closed and ends
+        else:
+            self.metrics.engine_streams.inc()
+        subscription = Subscription(engine_id, on_ready)
+        channel.subscription = subscription
+        channel.epoch = next(self._epochs)
+        channel.offline_since = None
+        # At least once: whatever was written to an earlier stream and not
+        # acknowledged goes out again.
+        for key, dispatch in channel.unacked.items():
+            if key not in channel.queue and dispatch.attempt > 0:
+                channel.queue[key] = dispatch
+                self.metrics.redeliveries_by[dispatch.action.kind].inc()
+        if channel.queue:
+            on_ready()
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        channel = self._channels.get(subscription.engine_id)
+        subscription.closed = True
+        if channel is None or channel.subscription is not subscription:
+            return  # already replaced
+        channel.subscription = None
+        self.metrics.engine_streams.dec()
+        now = self.clock()
+        channel.epoch = next(self._epochs)
+        channel.offline_since = now
+        self._arm_unreachable(channel, now)
+        self._forget_idle_channel(channel)
+
+    def take(self, subscription: Subscription, limit: int = 256) -> list[Dispatch] | None:
+        """Pop up to ``limit`` dispatches to write; None once the stream was replaced."""
+        if subscription.closed:
+            return None
+        channel = self._channels[subscription.engine_id]
+        queue = channel.queue
+        batch: list[Dispatch] = []
+        while queue and len(batch) < limit:
+            key = next(iter(queue))
+            dispatch = queue.pop(key)
+            dispatch = replace(dispatch, attempt=dispatch.attempt + 1)
+            if dispatch.action.kind is not ActionKind.COMPLETE:
+                channel.unacked[key] = dispatch
+            batch.append(dispatch)
+        return batch
+
+    # --- time ---------------------------------------------------------------
+
+    def fire_due(self) -> None:
+        """Run every timer that is due now."""
+        now = self.clock()
+        for timer in self._timers.pop_due(now):
+            kind, key = timer.key
+            if kind == "unreachable":
+                self._engine_unreachable(self._channels[key])
+                continue
+            entry = self.handoffs[key]
+            if kind == "deadline":
+                log.warning("handoff deadline passed", extra={"handoff_id": key})
+                self.metrics.timed_out.inc()
+                self._server_fact(entry, TimedOut())
+            elif kind == "redeliver":
+                self._redeliver_cleanup(entry, now)
+            elif kind == "abandon":
+                self._abandon(entry)
+        self._expire_retained(now)
+        self._timers.compact(len(self.handoffs) + len(self._channels))
+
+    def _timer_is_live(self, timer: Timer) -> bool:
+        kind, key = timer.key
+        if kind == "unreachable":
+            channel = self._channels.get(key)
+            return (
+                channel is not None
+                and channel.epoch == timer.token
+                and channel.subscription is None
+            )
+        entry = self.handoffs.get(key)
+        if entry is None:
+            return False
+        if kind == "deadline":
+            return entry.deadline == timer.token and entry.core.phase is Phase.ACTIVE
+        return entry.cleanup_epoch == timer.token and entry.core.phase is Phase.CLEANING_UP
+
+    def _schedule(self, when: float, key: tuple[str, str], token: object) -> None:
+        earliest = self._timers.next_at()
+        self._timers.schedule(when, key, token)
+        if earliest is None or when < earliest:
+            self._on_earlier_timer()
+
+    # --- the one path every core call takes --------------------------------
+
+    def _call(
+        self,
+        entry: Entry,
+        call: Callable[[Handoff], tuple[Action, ...]],
+        acknowledged: tuple[int, Outcome] | None = None,
+    ) -> tuple[Dispatch, ...]:
+        core = entry.core
+        backup = core.clone()
+        phase_before = core.phase
+        events_before = len(entry.lifecycle_at)
+        try:
+            actions = call(core)
+        except HandoffError:
+            raise  # the core rejects atomically: nothing changed
+        except Exception as error:
+            entry.core = backup
+            log.exception(
+                "unexpected failure; handoff restored", extra={"handoff_id": core.handoff_id}
+            )
+            raise Internal(
+                f"unexpected {type(error).__name__}; the handoff is unchanged"
+            ) from error
+        now = self.clock()
+        if acknowledged is not None:
+            self._acknowledge(entry, *acknowledged, now)
+        self._stamp_lifecycle(entry, events_before, now)
+        dispatches = tuple(self._route(entry, action, now) for action in actions)
+        self._after_transition(entry, phase_before, now)
+        self._fail_doomed()
+        return dispatches
+
+    def _acknowledge(self, entry: Entry, action_id: int, outcome: Outcome, now: float) -> None:
+        issued_at, kind, engines = entry.routed.pop(action_id)
+        self.metrics.outcomes_by[outcome.kind].inc()
+        self.metrics.latency_by[kind].observe(now - issued_at)
+        if (
+            kind in (ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE)
+            and outcome.kind is not OutcomeKind.FAILED
+            and entry.held_at is not None
+        ):
+            self.metrics.source_hold.observe(now - entry.held_at)
+            entry.held_at = None
+        self._drop_deliveries(entry.handoff_id, action_id, engines)
+
+    def _stamp_lifecycle(self, entry: Entry, events_before: int, now: float) -> None:
+        lifecycle = entry.core.lifecycle
+        for event in lifecycle[events_before:]:
+            entry.lifecycle_at.append(now)
+            if event is LifecycleEvent.SOURCE_HELD:
+                entry.held_at = now
+
+    def _route(self, entry: Entry, action: Action, now: float) -> Dispatch:
+        self.metrics.actions_by[action.kind].inc()
+        role = entry.role_of(action.kind)
+        engines = entry.engine_for(role)
+        if action.kind is ActionKind.START_TRANSFER and action.delay_ms is not None:
+            # The transfer's own duration is not the handoff's fault.
+            entry.deadline += action.delay_ms / 1000.0
+            self._schedule(entry.deadline, ("deadline", entry.handoff_id), entry.deadline)
+        if action.kind is not ActionKind.COMPLETE:
+            entry.routed[action.id] = (now, action.kind, engines)
+        for engine_id in engines:
+            channel = self._channel(engine_id)
+            dispatch = Dispatch(entry.handoff_id, action, role, engine_id)
+            key = (entry.handoff_id, action.id)
+            channel.queue[key] = dispatch
+            if action.kind is not ActionKind.COMPLETE:
+                channel.unacked[key] = dispatch
+                if channel.unreachable(now, self.settings.delivery_timeout_s):
+                    self._doomed[entry.handoff_id] = None
+            channel.notify()
+        # In a call's answer, a notice to both engines names neither.
+        return Dispatch(entry.handoff_id, action, role, engines[0] if len(engines) == 1 else "")
+
+    def _after_transition(self, entry: Entry, phase_before: Phase, now: float) -> None:
+        phase = entry.core.phase
+        if phase is phase_before:
+            return
+        self.metrics.handoffs_by[phase_before].dec()
+        self.metrics.handoffs_by[phase].inc()
+        if phase is Phase.CLEANING_UP:
+            if phase_before is Phase.COMPLETE:
+                self.metrics.reopened.inc()
+                self._retained.pop(entry.handoff_id, None)
+                log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
+            entry.cleanup_epoch += 1
+            entry.redelivery_round = 0
+            key = entry.handoff_id
+            self._schedule(
+                now + self.settings.cleanup_timeout_s, ("abandon", key), entry.cleanup_epoch
+            )
+            self._schedule(
+                now + self.settings.cleanup_redelivery_s, ("redeliver", key), entry.cleanup_epoch
+            )
+        elif phase is Phase.COMPLETE:
+            completion = entry.core.completion
+            assert completion is not None
+            entry.completed_at = now
+            self.metrics.completed_by[completion].inc()
+            self.metrics.duration_by[completion].observe(now - entry.started_at)
+            # The core forgot its journal: nothing is outstanding any more.
+            for action_id, (_, _, engines) in entry.routed.items():
+                self._drop_deliveries(entry.handoff_id, action_id, engines)
+            entry.routed.clear()
+            self._retain(entry.handoff_id, now)
+            log.info(
+                "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
+            )
+            if self.active_count == 0:
+                for callback in self._on_idle:
+                    callback()
+
+    def _server_fact(self, entry: Entry, fact: Fact) -> None:
+        """A fact the server observed itself: a deadline, an unreachable engine, shutdown."""
+        self._call(entry, lambda core: core.apply_fact(fact))
+        self.metrics.facts_by[(FACT_KIND[type(fact).__name__], "server")].inc()
+
+    def _fail_doomed(self) -> None:
+        while self._doomed:
+            handoff_id = next(iter(self._doomed))
+            del self._doomed[handoff_id]
+            entry = self.handoffs.get(handoff_id)
+            if entry is not None and entry.core.phase is Phase.ACTIVE:
+                log.warning(
+                    "action routed to an unreachable engine; failing the handoff",
+                    extra={"handoff_id": handoff_id},
+                )
+                self._server_fact(entry, Failed())
+
+    # --- delivery bookkeeping ------------------------------------------------
+
+    def _channel(self, engine_id: str) -> EngineChannel:
+        channel = self._channels.get(engine_id)
+        if channel is None:
+            now = self.clock()
+            channel = self._channels[engine_id] = EngineChannel(engine_id, now, next(self._epochs))
+            self._arm_unreachable(channel, now)
+        return channel
+
+    def _arm_unreachable(self, channel: EngineChannel, now: float) -> None:
+        self._schedule(
+            now + self.settings.delivery_timeout_s,
+            ("unreachable", channel.engine_id),
+            channel.epoch,
+        )
+
+    def _drop_deliveries(self, handoff_id: str, action_id: int, engines: tuple[str, ...]) -> None:
+        key = (handoff_id, action_id)
+        for engine_id in engines:
+            channel = self._channels.get(engine_id)
+            if channel is not None:
+                channel.unacked.pop(key, None)
+                channel.queue.pop(key, None)
+                self._forget_idle_channel(channel)
+
+    def _forget_idle_channel(self, channel: EngineChannel) -> None:
+        # Engines come and go; an offline engine with nothing owed is forgotten.
+        if channel.subscription is None and not channel.queue and not channel.unacked:
+            del self._channels[channel.engine_id]
+
+    def _engine_unreachable(self, channel: EngineChannel) -> None:
+        owed = {handoff_id for handoff_id, _ in channel.unacked}
+        if not owed:
+            return
+        self.metrics.engine_unreachable.inc()
+        log.warning(
+            "engine has had no live stream for %.1f s; failing its %d handoffs",
+            self.settings.delivery_timeout_s,
+            len(owed),
+            extra={"engine_id": channel.engine_id},
+        )
+        for handoff_id in sorted(owed):
+            entry = self.handoffs.get(handoff_id)
+            if entry is not None and entry.core.phase is Phase.ACTIVE:
+                self._server_fact(entry, Failed())
+
+    def _redeliver_cleanup(self, entry: Entry, now: float) -> None:
+        for action_id, (_, kind, engines) in entry.routed.items():
+            if kind not in CLEANUP_KINDS:
+                continue
+            key = (entry.handoff_id, action_id)
+            for engine_id in engines:
+                channel = self._channels.get(engine_id)
+                dispatch = channel.unacked.get(key) if channel else None
+                if (
+                    channel is not None
+                    and dispatch is not None
+                    and dispatch.attempt > 0
+                    and key not in channel.queue
+                ):
+                    channel.queue[key] = dispatch
+                    self.metrics.redeliveries_by[dispatch.action.kind].inc()
+                    channel.notify()
+        entry.redelivery_round += 1
+        delay = min(
+            self.settings.cleanup_redelivery_s * 2**entry.redelivery_round, MAX_REDELIVERY_DELAY_S
+        )
+        self._schedule(now + delay, ("redeliver", entry.handoff_id), entry.cleanup_epoch)
+
+    def _abandon(self, entry: Entry) -> None:
+        left = [
+            f"{kind.value}#{action_id} to {engine_id}"
+            for action_id, (_, kind, engines) in entry.routed.items()
+            for engine_id in engines
+        ]
+        log.error(
+            "abandoning handoff still cleaning up after %.0f s; outstanding: %s",
+            self.settings.cleanup_timeout_s,
+            ", ".join(left) or "none",
+            extra={"handoff_id": entry.handoff_id},
+        )
+        self.metrics.abandoned.inc()
+        self._remove(entry)
+        if self.active_count == 0:
+            for callback in self._on_idle:
+                callback()
+
+    def _remove(self, entry: Entry) -> None:
+        for action_id, (_, _, engines) in entry.routed.items():
+            self._drop_deliveries(entry.handoff_id, action_id, engines)
+        del self.handoffs[entry.handoff_id]
+        self.metrics.handoffs_by[entry.core.phase].dec()
+
+    # --- retention -----------------------------------------------------------
+
+    def _retain(self, handoff_id: str, now: float) -> None:
+        self._retained.pop(handoff_id, None)
+        self._retained[handoff_id] = now + self.settings.retention_s
+        while len(self._retained) > self.settings.max_retained:
+            oldest, _ = self._retained.popitem(last=False)
+            self._remove(self.handoffs[oldest])
+
+    def _next_expiry(self) -> float | None:
+        return next(iter(self._retained.values()), None)
+
+    def _expire_retained(self, now: float) -> None:
+        retained = self._retained
+        while retained:
+            handoff_id, expiry = next(iter(retained.items()))
+            if expiry > now:
+                return
+            del retained[handoff_id]
+            self._remove(self.handoffs[handoff_id])

@@ -1,0 +1,57 @@
+"""`handoff serve`: run the coordinator until SIGTERM or SIGINT, then drain and exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from handoff_server import config, logs
+from handoff_server.app import Server
+
+log = logging.getLogger("handoff.serve")
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "serve",
+        help="run the coordinator gRPC service",
+        description=(
+            "Run the handoff coordinator: gRPC (with health and reflection) plus a "
+            "Prometheus /metrics endpoint. Every setting is a flag or a HANDOFF_* "
+            "environment variable; flags win. On SIGTERM or SIGINT the server reports "
+            "NOT_SERVING, refuses new handoffs, waits up to --drain-grace-s for active "
+            "ones, cancels the rest, waits for their cleanup, and exits 0."
+        ),
+    )
+    config.add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = config.from_arguments(args)
+    except ValueError as error:
+        print(f"handoff serve: {error}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    try:
+        asyncio.run(_serve(settings))
+    except OSError as error:
+        log.error("cannot start: %s", error)
+        return 1
+    return 0
+
+
+async def _serve(settings: config.Settings) -> None:
+    server = Server(settings)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("signal received; shutting down")
+    await server.stop()
