@@ -1,0 +1,226 @@
+"""HandoffClient: typed async calls to the coordinator.
+
+Every call has a deadline (``timeout_s``, per client and per call) and raises a
+:class:`~handoff_client.errors.HandoffRpcError` subclass on failure. Calls that
+the server makes idempotent (GetHandoff, ReportFact, ReportOutcome) are retried
+on UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is not:
+if the first attempt reached the server and only its answer was lost, a retry
+would answer ALREADY_EXISTS for the caller's own handoff, which the client
+cannot tell from a real id collision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncGenerator, Sequence
+from types import TracebackType
+from typing import Self, TypeVar
+
+import grpc
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_client.convert import (
+    action_from_pb,
+    actions_from_pb,
+    fact_to_pb,
+    handoff_from_pb,
+    outcome_to_pb,
+)
+from handoff_client.credentials import ChannelSecurity, PemSource
+from handoff_client.errors import error_for
+from handoff_client.model import (
+    Action,
+    Canceled,
+    EngineType,
+    Fact,
+    Handoff,
+    HandoffUpdate,
+    Order,
+    Outcome,
+    Role,
+)
+from handoff_client.retry import RetryPolicy
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+ChannelOptions = Sequence[tuple[str, str | int]]
+
+
+class HandoffClient:
+    """An async client for one coordinator; use it with ``async with``.
+
+    ``target`` is ``host:port``. TLS is on when ``tls=True`` or any certificate
+    is given (PEM bytes, or a path); ``tls_client_cert`` with
+    ``tls_client_key`` makes it mutual. ``token`` is sent as
+    ``authorization: Bearer <token>`` on every call.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout_s: float = 10.0,
+        retry: RetryPolicy | None = None,
+        tls: bool | None = None,
+        tls_root_cert: PemSource | None = None,
+        tls_client_cert: PemSource | None = None,
+        tls_client_key: PemSource | None = None,
+        token: str | None = None,
+        channel_options: ChannelOptions = (),
+        rng: random.Random | None = None,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        security = ChannelSecurity.from_options(
+            tls=tls,
+            tls_root_cert=tls_root_cert,
+            tls_client_cert=tls_client_cert,
+            tls_client_key=tls_client_key,
+            token=token,
+        )
+        credentials = security.channel_credentials()
+        options = list(channel_options)
+        self._channel = (
+            grpc.aio.insecure_channel(target, options=options)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials, options=options)
+        )
+        self._stub = pb_grpc.HandoffCoordinatorStub(self._channel)
+        self._metadata = security.metadata()
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self._rng = rng or random.Random()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        # No grace: a caller closing the client is done with its calls, and a
+        # grace period would keep long-lived streams open until it expired.
+        await self._channel.close(None)
+
+    # --- calls ------------------------------------------------------------
+
+    async def start_handoff(
+        self,
+        handoff_id: str,
+        *,
+        source_engine_id: str,
+        destination_engine_id: str,
+        order: Order | None = None,
+        engine_type: EngineType | None = None,
+        fallback_transfer_delay_ms: float = 0.0,
+        transfer_executor: Role = Role.SOURCE,
+        handoff_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> HandoffUpdate:
+        """Create and start one handoff. Give ``order`` or ``engine_type`` (or both, agreeing).
+
+        ``handoff_timeout_s`` is the handoff's own deadline (server default when
+        None); ``timeout_s`` is this call's.
+        """
+        if order is None and engine_type is None:
+            raise ValueError("give order or engine_type")
+        request = pb.StartHandoffRequest(
+            handoff_id=handoff_id,
+            order=pb.HandoffOrder.Value(
+                "HANDOFF_ORDER_" + (order.name if order else "UNSPECIFIED")
+            ),
+            engine_type=pb.EngineType.Value(
+                "ENGINE_TYPE_" + (engine_type.name if engine_type else "UNSPECIFIED")
+            ),
+            source_engine_id=source_engine_id,
+            destination_engine_id=destination_engine_id,
+            fallback_transfer_delay_ms=fallback_transfer_delay_ms,
+            transfer_executor=pb.Role.Value("ROLE_" + transfer_executor.name),
+            timeout_s=handoff_timeout_s,  # None leaves it absent: the server default
+        )
+        response = await self._call(self._stub.StartHandoff, request, timeout_s, retry=False)
+        return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
+
+    async def report_fact(
+        self, handoff_id: str, fact: Fact, *, timeout_s: float | None = None
+    ) -> HandoffUpdate:
+        request = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
+        response = await self._call(self._stub.ReportFact, request, timeout_s, retry=True)
+        return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
+
+    async def cancel(
+        self, handoff_id: str, reason: str, *, timeout_s: float | None = None
+    ) -> HandoffUpdate:
+        """Cancel a handoff (the frontend's call); after success it reopens and frees the decode."""
+        return await self.report_fact(handoff_id, Canceled(reason), timeout_s=timeout_s)
+
+    async def report_outcome(
+        self, handoff_id: str, action_id: int, outcome: Outcome, *, timeout_s: float | None = None
+    ) -> HandoffUpdate:
+        request = pb.ReportOutcomeRequest(
+            handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
+        )
+        response = await self._call(self._stub.ReportOutcome, request, timeout_s, retry=True)
+        return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
+
+    async def get_handoff(self, handoff_id: str, *, timeout_s: float | None = None) -> Handoff:
+        request = pb.GetHandoffRequest(handoff_id=handoff_id)
+        response = await self._call(self._stub.GetHandoff, request, timeout_s, retry=True)
+        return handoff_from_pb(response.handoff)
+
+    async def stream_actions(self, engine_id: str) -> AsyncGenerator[Action, None]:
+        """Every action addressed to ``engine_id``, until the stream ends or fails.
+
+        A long-lived stream: it has no deadline and is not retried here
+        (:class:`~handoff_client.sidecar.EngineSidecar` reconnects). Close it
+        with ``contextlib.aclosing`` to cancel the call.
+        """
+        call = self._stub.StreamActions(
+            pb.StreamActionsRequest(engine_id=engine_id), metadata=self._metadata
+        )
+        try:
+            async for message in call:
+                yield action_from_pb(message)
+        except grpc.aio.AioRpcError as error:
+            raise error_for(error) from error
+        finally:
+            call.cancel()
+
+    # --- the one path every unary call takes --------------------------------
+
+    async def _call(
+        self,
+        method: grpc.aio.UnaryUnaryMultiCallable[Request, Response],
+        request: Request,
+        timeout_s: float | None,
+        *,
+        retry: bool,
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout_s if timeout_s is None else timeout_s)
+        failures = 0
+        while True:
+            try:
+                return await method(
+                    request, timeout=deadline - loop.time(), metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as error:
+                failures += 1
+                delay = self.retry.backoff.delay_s(failures, self._rng)
+                if not (
+                    retry
+                    and error.code() is grpc.StatusCode.UNAVAILABLE
+                    and failures < self.retry.max_attempts
+                    and loop.time() + delay < deadline
+                ):
+                    raise error_for(error) from error
+            await asyncio.sleep(delay)

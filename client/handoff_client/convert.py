@@ -1,0 +1,110 @@
+"""Conversion between the SDK's values and the wire messages, in one place.
+
+Enums are written by proto name and read by number (the SDK enums use the
+proto numbers as values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff_client.model import (
+    Action,
+    ActionKind,
+    Canceled,
+    Completion,
+    DestinationReserved,
+    Fact,
+    Failed,
+    Handoff,
+    LifecycleEvent,
+    LifecycleEventKind,
+    Order,
+    Outcome,
+    Phase,
+    Role,
+    SourceHeld,
+    TimedOut,
+    TransferCompleted,
+    TransferTiming,
+)
+
+
+def action_from_pb(message: pb.Action) -> Action:
+    return Action(
+        handoff_id=message.handoff_id,
+        id=message.id,
+        kind=ActionKind(message.kind),
+        target=Role(message.target),
+        engine_id=message.engine_id,
+        attempt=message.attempt,
+        delay_ms=message.delay_ms,
+    )
+
+
+def actions_from_pb(messages: Iterable[pb.Action]) -> tuple[Action, ...]:
+    return tuple(action_from_pb(m) for m in messages)
+
+
+def _time(stamp: Timestamp, is_set: bool) -> datetime | None:
+    return stamp.ToDatetime(tzinfo=UTC) if is_set else None
+
+
+def handoff_from_pb(message: pb.Handoff) -> Handoff:
+    return Handoff(
+        handoff_id=message.handoff_id,
+        order=Order(message.order),
+        phase=Phase(message.phase),
+        completion=Completion(message.completion) if message.completion else None,
+        source_engine_id=message.source_engine_id,
+        destination_engine_id=message.destination_engine_id,
+        transfer_executor=Role(message.transfer_executor),
+        outstanding_actions=actions_from_pb(message.outstanding_actions),
+        lifecycle=tuple(
+            LifecycleEvent(LifecycleEventKind(e.kind), e.at.ToDatetime(tzinfo=UTC))
+            for e in message.lifecycle
+        ),
+        deadline=_time(message.deadline, message.HasField("deadline")),
+        started_at=_time(message.started_at, message.HasField("started_at")),
+        completed_at=_time(message.completed_at, message.HasField("completed_at")),
+        fallback_transfer_delay_ms=message.fallback_transfer_delay_ms,
+    )
+
+
+def outcome_to_pb(outcome: Outcome) -> pb.Outcome:
+    return pb.Outcome(
+        kind=pb.OutcomeKind.Value("OUTCOME_KIND_" + outcome.kind.name), reason=outcome.reason
+    )
+
+
+def timing_to_pb(timing: TransferTiming) -> pb.TransferTiming:
+    # None leaves an optional field absent ("the engine cannot say"), which is not 0.
+    return pb.TransferTiming(
+        mode=pb.TransferTimingMode.Value("TRANSFER_TIMING_MODE_" + timing.mode.name),
+        full_prompt_tokens=timing.full_prompt_tokens,
+        kv_bytes_per_token=timing.kv_bytes_per_token,
+        bandwidth_gb_s=timing.bandwidth_gb_s,
+        state_bytes=timing.state_bytes,
+    )
+
+
+def fact_to_pb(fact: Fact) -> pb.Fact:
+    match fact:
+        case SourceHeld(timing):
+            return pb.Fact(source_held=pb.SourceHeld(transfer_timing=timing_to_pb(timing)))
+        case DestinationReserved(tokens):
+            return pb.Fact(
+                destination_reserved=pb.DestinationReserved(transferable_prompt_tokens=tokens)
+            )
+        case TransferCompleted():
+            return pb.Fact(transfer_completed=pb.TransferCompleted())
+        case Failed(reason):
+            return pb.Fact(failed=pb.Failed(reason=reason))
+        case TimedOut():
+            return pb.Fact(timed_out=pb.TimedOut())
+        case Canceled(reason):
+            return pb.Fact(canceled=pb.Canceled(reason=reason))

@@ -1,0 +1,130 @@
+"""One exception class per gRPC status, so callers catch what they mean.
+
+Every SDK call raises a subclass of :class:`HandoffRpcError`, chained from the
+underlying ``grpc.aio.AioRpcError``. The server's message names the handoff
+and the reason; it is kept verbatim in :attr:`HandoffRpcError.details`.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class HandoffRpcError(Exception):
+    """A call the server (or the network) refused. ``code`` is the gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, details: str) -> None:
+        super().__init__(f"{self.code.name}: {details}")
+        self.details = details
+
+
+class CallCancelledError(HandoffRpcError):
+    # Not "CancelledError": that name belongs to asyncio and means something else.
+    code = grpc.StatusCode.CANCELLED
+
+
+class UnknownError(HandoffRpcError):
+    code = grpc.StatusCode.UNKNOWN
+
+
+class InvalidArgumentError(HandoffRpcError):
+    """Malformed or impossible values; the handoff is unchanged."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class DeadlineExceededError(HandoffRpcError):
+    """The call ran out of time; it may or may not have been applied."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFoundError(HandoffRpcError):
+    """Unknown handoff (never started, abandoned, or past retention) or action id."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExistsError(HandoffRpcError):
+    """The handoff id is live or retained."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDeniedError(HandoffRpcError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhaustedError(HandoffRpcError):
+    """Past an admission limit; back off and try later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPreconditionError(HandoffRpcError):
+    """Well-formed, but not allowed in the handoff's current state; it is unchanged."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class AbortedError(HandoffRpcError):
+    code = grpc.StatusCode.ABORTED
+
+
+class OutOfRangeError(HandoffRpcError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class UnimplementedError(HandoffRpcError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class InternalError(HandoffRpcError):
+    code = grpc.StatusCode.INTERNAL
+
+
+class UnavailableError(HandoffRpcError):
+    """The server is unreachable or shutting down."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DataLossError(HandoffRpcError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class UnauthenticatedError(HandoffRpcError):
+    """Missing or wrong bearer token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+_BY_CODE: dict[grpc.StatusCode, type[HandoffRpcError]] = {
+    cls.code: cls
+    for cls in (
+        CallCancelledError,
+        UnknownError,
+        InvalidArgumentError,
+        DeadlineExceededError,
+        NotFoundError,
+        AlreadyExistsError,
+        PermissionDeniedError,
+        ResourceExhaustedError,
+        FailedPreconditionError,
+        AbortedError,
+        OutOfRangeError,
+        UnimplementedError,
+        InternalError,
+        UnavailableError,
+        DataLossError,
+        UnauthenticatedError,
+    )
+}
+
+
+def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
+    """The typed exception for ``error``; raise it ``from error`` to keep the chain."""
+    cls = _BY_CODE.get(error.code(), UnknownError)
+    return cls(error.details() or "")

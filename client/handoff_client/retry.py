@@ -1,0 +1,44 @@
+"""Backoff with jitter, shared by call retries, report retries and reconnects."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff with full jitter.
+
+    Full jitter (a uniform draw below the exponential cap) spreads out the
+    retries of many sidecars that lost the same server at the same moment,
+    instead of having them reconnect in lockstep.
+    """
+
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.initial_s <= self.max_s and self.multiplier >= 1):
+            raise ValueError("backoff needs 0 < initial_s <= max_s and multiplier >= 1")
+
+    def delay_s(self, failures: int, rng: random.Random) -> float:
+        """How long to wait after ``failures`` consecutive failures (from 1)."""
+        cap = min(self.max_s, self.initial_s * self.multiplier ** max(failures - 1, 0))
+        return rng.uniform(0.0, cap)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a call that is safe to repeat is retried on UNAVAILABLE.
+
+    Retries never outlive the call's deadline: each attempt gets what is left.
+    """
+
+    max_attempts: int = 5
+    backoff: Backoff = field(default_factory=Backoff)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")

@@ -1,0 +1,45 @@
+"""How an engine sidecar talks to the coordinator: the seam between the two.
+
+The sidecar needs three things: a subscription to its actions, and a way to
+report facts and outcomes. :class:`UnaryTransport` does it with StreamActions
+plus the unary ReportFact/ReportOutcome calls; a transport over the
+bidirectional Connect RPC can implement the same protocol.
+
+A transport raises :class:`~handoff_client.errors.HandoffRpcError` subclasses;
+the sidecar retries UNAVAILABLE and DEADLINE_EXCEEDED reports (every report is
+idempotent on the server) and treats any other error as final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Protocol
+
+from handoff_client.client import HandoffClient
+from handoff_client.model import Action, Fact, Outcome
+
+
+class SidecarTransport(Protocol):
+    def subscribe(self, engine_id: str) -> AsyncGenerator[Action, None]:
+        """Actions for ``engine_id`` until the subscription ends; closing it unsubscribes."""
+        ...
+
+    async def report_fact(self, handoff_id: str, fact: Fact) -> None: ...
+
+    async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None: ...
+
+
+class UnaryTransport:
+    """StreamActions for actions, one unary call per report."""
+
+    def __init__(self, client: HandoffClient) -> None:
+        self._client = client
+
+    def subscribe(self, engine_id: str) -> AsyncGenerator[Action, None]:
+        return self._client.stream_actions(engine_id)
+
+    async def report_fact(self, handoff_id: str, fact: Fact) -> None:
+        await self._client.report_fact(handoff_id, fact)
+
+    async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
+        await self._client.report_outcome(handoff_id, action_id, outcome)
