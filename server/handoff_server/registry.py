@@ -45,6 +45,7 @@ log = logging.getLogger("handoff.registry")
 Clock = Callable[[], float]  # seconds since the Unix epoch, never going backwards
 
 MAX_REDELIVERY_DELAY_S = 30.0
+MAX_EXTENSION_S = 365 * 24 * 3600.0
 FACT_KIND = {
     "SourceHeld": "source_held",
     "DestinationReserved": "destination_reserved",
@@ -439,8 +440,9 @@ class Registry:
         role = entry.role_of(action.kind)
         engines = entry.engine_for(role)
         if action.kind is ActionKind.START_TRANSFER and action.delay_ms is not None:
-            # The transfer's own duration is not the handoff's fault.
-            entry.deadline += action.delay_ms / 1000.0
+            # The transfer's own duration is not the handoff's fault. A finite
+            # but absurd delay is capped so the deadline stays a real date.
+            entry.deadline = min(entry.deadline + action.delay_ms / 1000.0, now + MAX_EXTENSION_S)
             self._schedule(entry.deadline, ("deadline", entry.handoff_id), entry.deadline)
         if action.kind is not ActionKind.COMPLETE:
             entry.routed[action.id] = (now, action.kind, engines)

@@ -161,6 +161,8 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subscription = self.registry.subscribe(engine_id, ready.set)
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
+            # Headers now tell the engine it is subscribed before any action exists.
+            await context.send_initial_metadata(())
             while (batch := await self._next_batch(subscription, ready)) is not None:
                 for dispatch in batch:
                     yield convert.action(dispatch)
@@ -195,6 +197,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         reader = asyncio.create_task(self._read_reports(request_iterator, acks, ready))
         log.info("engine connected", extra={"engine_id": engine_id})
         try:
+            await context.send_initial_metadata(())
             while True:
                 ready.clear()
                 while acks:

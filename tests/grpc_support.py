@@ -1,0 +1,204 @@
+"""Helpers for tests over real gRPC: request builders and engine stream recorders."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+import grpc
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.conformance import Answer, FactStep, OutcomeStep, StartStep
+from handoff_server.model import (
+    Action,
+    ActionKind,
+    Canceled,
+    DestinationReserved,
+    Fact,
+    Failed,
+    Order,
+    Outcome,
+    SourceHeld,
+    TimedOut,
+    TimingMode,
+    TransferCompleted,
+)
+
+SOURCE = "prefill-0"
+DESTINATION = "decode-0"
+
+
+def fact_message(fact: Fact) -> pb.Fact:
+    if isinstance(fact, SourceHeld):
+        timing = fact.transfer_timing
+        message = pb.TransferTiming(
+            mode=pb.TRANSFER_TIMING_MODE_FULL_PROMPT
+            if timing.mode is TimingMode.FULL_PROMPT
+            else pb.TRANSFER_TIMING_MODE_DESTINATION_MISSING,
+            full_prompt_tokens=timing.full_prompt_tokens,
+            state_bytes=timing.state_bytes,
+        )
+        if timing.kv_bytes_per_token is not None:
+            message.kv_bytes_per_token = timing.kv_bytes_per_token
+        if timing.bandwidth_gb_s is not None:
+            message.bandwidth_gb_s = timing.bandwidth_gb_s
+        return pb.Fact(source_held=pb.SourceHeld(transfer_timing=message))
+    if isinstance(fact, DestinationReserved):
+        return pb.Fact(
+            destination_reserved=pb.DestinationReserved(
+                transferable_prompt_tokens=fact.transferable_prompt_tokens
+            )
+        )
+    if isinstance(fact, TransferCompleted):
+        return pb.Fact(transfer_completed=pb.TransferCompleted())
+    if isinstance(fact, Failed):
+        return pb.Fact(failed=pb.Failed(reason="test"))
+    if isinstance(fact, TimedOut):
+        return pb.Fact(timed_out=pb.TimedOut())
+    assert isinstance(fact, Canceled)
+    return pb.Fact(canceled=pb.Canceled(reason="test"))
+
+
+def outcome_message(outcome: Outcome) -> pb.Outcome:
+    kind = pb.OutcomeKind.Value("OUTCOME_KIND_" + outcome.kind.name)
+    return pb.Outcome(kind=kind, reason=outcome.reason)
+
+
+def start_message(
+    step: StartStep, source: str = SOURCE, destination: str = DESTINATION
+) -> pb.StartHandoffRequest:
+    order = (
+        pb.HANDOFF_ORDER_SOURCE_FIRST
+        if step.order is Order.SOURCE_FIRST
+        else pb.HANDOFF_ORDER_DESTINATION_FIRST
+    )
+    return pb.StartHandoffRequest(
+        handoff_id=step.handoff_id,
+        order=order,
+        source_engine_id=source,
+        destination_engine_id=destination,
+        fallback_transfer_delay_ms=step.fallback_transfer_delay_ms,
+    )
+
+
+def core_action(message: pb.Action) -> Action:
+    kind = ActionKind[pb.ActionKind.Name(message.kind).removeprefix("ACTION_KIND_")]
+    delay = message.delay_ms if kind is ActionKind.START_TRANSFER else None
+    return Action(message.id, kind, delay)
+
+
+def state_of(handoff: pb.Handoff) -> tuple[str, str | None]:
+    phase = pb.Phase.Name(handoff.phase).removeprefix("PHASE_").lower()
+    completion = (
+        pb.Completion.Name(handoff.completion).removeprefix("COMPLETION_").lower()
+        if handoff.completion
+        else None
+    )
+    return phase, completion
+
+
+async def call_unary(
+    stub: pb_grpc.HandoffCoordinatorStub,
+    handoff_id: str,
+    step: StartStep | FactStep | OutcomeStep,
+) -> tuple[bool, str | None, str, tuple[Action, ...]]:
+    """One conformance step over the unary RPCs: (ok, code, message, actions)."""
+    try:
+        if isinstance(step, StartStep):
+            response = await stub.StartHandoff(start_message(step))
+        elif isinstance(step, FactStep):
+            response = await stub.ReportFact(
+                pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_message(step.fact))
+            )
+        else:
+            response = await stub.ReportOutcome(
+                pb.ReportOutcomeRequest(
+                    handoff_id=handoff_id,
+                    action_id=step.action_id,
+                    outcome=outcome_message(step.outcome),
+                )
+            )
+    except grpc.aio.AioRpcError as error:
+        return False, error.code().name, error.details() or "", ()
+    return True, None, "", tuple(core_action(a) for a in response.actions)
+
+
+async def observe_state(
+    stub: pb_grpc.HandoffCoordinatorStub, handoff_id: str
+) -> tuple[str | None, str | None]:
+    try:
+        response = await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=handoff_id))
+    except grpc.aio.AioRpcError as error:
+        if error.code() is not grpc.StatusCode.NOT_FOUND:
+            raise
+        return None, None
+    return state_of(response.handoff)
+
+
+def answer(
+    ok: bool,
+    code: str | None,
+    message: str,
+    actions: tuple[Action, ...],
+    state: tuple[str | None, str | None],
+) -> Answer:
+    return Answer(ok, code, actions, state[0], state[1], message)
+
+
+class StreamRecorder:
+    """Reads one engine's StreamActions and records every action it receives."""
+
+    def __init__(self, stub: pb_grpc.HandoffCoordinatorStub, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.received: dict[tuple[str, int], list[pb.Action]] = defaultdict(list)
+        self._changed = asyncio.Condition()
+        self._call = stub.StreamActions(pb.StreamActionsRequest(engine_id=engine_id))
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            async for action in self._call:
+                async with self._changed:
+                    self.received[(action.handoff_id, action.id)].append(action)
+                    self._changed.notify_all()
+
+    async def subscribed(self) -> None:
+        """Returns once the server has registered this stream (it sends headers then)."""
+        await self._call.initial_metadata()
+
+    async def wait_for(self, handoff_id: str, action_id: int, attempts: int = 1) -> pb.Action:
+        """The latest copy of an action, once at least ``attempts`` copies arrived."""
+        key = (handoff_id, action_id)
+        async with self._changed:
+            await self._changed.wait_for(lambda: len(self.received[key]) >= attempts)
+            return self.received[key][-1]
+
+    async def stream_ended(self) -> grpc.StatusCode:
+        await self._task
+        return await self._call.code()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await self._task
+
+
+@contextlib.asynccontextmanager
+async def recorders(
+    stub: pb_grpc.HandoffCoordinatorStub, *engine_ids: str
+) -> AsyncIterator[list[StreamRecorder]]:
+    streams = [StreamRecorder(stub, engine_id) for engine_id in engine_ids]
+    for stream in streams:
+        await stream.subscribed()
+    try:
+        yield streams
+    finally:
+        for stream in streams:
+            await stream.close()
+
+
+def same_delay(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)

@@ -1,0 +1,98 @@
+"""Every conformance vector, driven through a running server over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.app import Server
+from handoff_server.conformance import Failure, StartStep, Vector, mismatch, step_op
+from handoff_server.model import Action, ActionKind
+from tests.grpc_support import (
+    DESTINATION,
+    SOURCE,
+    StreamRecorder,
+    answer,
+    call_unary,
+    observe_state,
+    recorders,
+    same_delay,
+)
+from tests.support import all_vectors
+
+CONCURRENCY = 16
+SOURCE_KINDS = {ActionKind.SUBMIT_PREFILL, ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE}
+DESTINATION_KINDS = {
+    ActionKind.RESERVE_DESTINATION,
+    ActionKind.ACTIVATE_DESTINATION,
+    ActionKind.CANCEL_DESTINATION,
+}
+
+
+async def run_vector(
+    stub: pb_grpc.HandoffCoordinatorStub,
+    vector: Vector,
+    source: StreamRecorder,
+    destination: StreamRecorder,
+) -> Failure | None:
+    handoff_id = vector.handoff_id
+    for index, step in enumerate(vector.steps):
+        ok, code, message, actions = await call_unary(stub, handoff_id, step)
+        state = await observe_state(stub, handoff_id)
+        reason = mismatch(step.expect, answer(ok, code, message, actions, state))
+        if reason is None:
+            reason = await check_routing(handoff_id, actions, source, destination)
+        if reason is not None:
+            return Failure(vector.name, index, step_op(step), reason)
+        if isinstance(step, StartStep) and not ok:
+            return None
+    return None
+
+
+async def check_routing(
+    handoff_id: str,
+    actions: tuple[Action, ...],
+    source: StreamRecorder,
+    destination: StreamRecorder,
+) -> str | None:
+    """Each action must reach its engine's stream (Complete: both), intact."""
+    for action in actions:
+        targets: list[StreamRecorder] = []
+        if action.kind in SOURCE_KINDS or action.kind is ActionKind.START_TRANSFER:
+            targets = [source]  # the default transfer executor is the source
+        elif action.kind in DESTINATION_KINDS:
+            targets = [destination]
+        else:
+            targets = [source, destination]
+        for stream in targets:
+            try:
+                delivered = await asyncio.wait_for(stream.wait_for(handoff_id, action.id), 5)
+            except TimeoutError:
+                return f"action {action.id} never reached {stream.engine_id}"
+            if delivered.engine_id != stream.engine_id:
+                return f"action {action.id} delivered with engine_id {delivered.engine_id}"
+            if action.kind is ActionKind.START_TRANSFER and not same_delay(
+                delivered.delay_ms, action.delay_ms or 0.0
+            ):
+                return f"action {action.id} delivered with delay {delivered.delay_ms}"
+    return None
+
+
+async def test_all_vectors_pass_through_a_running_server(server: Server) -> None:
+    vectors = all_vectors()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        async with recorders(stub, SOURCE, DESTINATION) as (source, destination):
+            limit = asyncio.Semaphore(CONCURRENCY)
+
+            async def one(vector: Vector) -> Failure | None:
+                async with limit:
+                    return await run_vector(stub, vector, source, destination)
+
+            async with asyncio.timeout(240):
+                results = await asyncio.gather(*(one(v) for v in vectors))
+    failures = [str(f) for f in results if f is not None]
+    assert failures == []
+    assert server.registry.handoffs, "the vectors left no retained handoffs behind"
