@@ -102,11 +102,12 @@ def state_of(handoff: pb.Handoff) -> tuple[str, str | None]:
 
 
 async def call_unary(
-    stub: pb_grpc.HandoffCoordinatorStub,
+    stub: pb_grpc.HandoffCoordinatorAsyncStub,
     handoff_id: str,
     step: StartStep | FactStep | OutcomeStep,
 ) -> tuple[bool, str | None, str, tuple[Action, ...]]:
     """One conformance step over the unary RPCs: (ok, code, message, actions)."""
+    response: pb.StartHandoffResponse | pb.ReportFactResponse | pb.ReportOutcomeResponse
     try:
         if isinstance(step, StartStep):
             response = await stub.StartHandoff(start_message(step))
@@ -128,7 +129,7 @@ async def call_unary(
 
 
 async def observe_state(
-    stub: pb_grpc.HandoffCoordinatorStub, handoff_id: str
+    stub: pb_grpc.HandoffCoordinatorAsyncStub, handoff_id: str
 ) -> tuple[str | None, str | None]:
     try:
         response = await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=handoff_id))
@@ -152,7 +153,7 @@ def answer(
 class StreamRecorder:
     """Reads one engine's StreamActions and records every action it receives."""
 
-    def __init__(self, stub: pb_grpc.HandoffCoordinatorStub, engine_id: str) -> None:
+    def __init__(self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str) -> None:
         self.engine_id = engine_id
         self.received: dict[tuple[str, int], list[pb.Action]] = defaultdict(list)
         self._changed = asyncio.Condition()
@@ -188,7 +189,7 @@ class StreamRecorder:
 
 @contextlib.asynccontextmanager
 async def recorders(
-    stub: pb_grpc.HandoffCoordinatorStub, *engine_ids: str
+    stub: pb_grpc.HandoffCoordinatorAsyncStub, *engine_ids: str
 ) -> AsyncIterator[list[StreamRecorder]]:
     streams = [StreamRecorder(stub, engine_id) for engine_id in engine_ids]
     for stream in streams:

@@ -32,7 +32,7 @@ DESTINATION_KINDS = {
 
 
 async def run_vector(
-    stub: pb_grpc.HandoffCoordinatorStub,
+    stub: pb_grpc.HandoffCoordinatorAsyncStub,
     vector: Vector,
     source: StreamRecorder,
     destination: StreamRecorder,
