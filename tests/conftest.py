@@ -24,7 +24,7 @@ async def start_server() -> AsyncIterator[StartServer]:
             port=0,
             metrics_host="127.0.0.1",
             metrics_port=0,
-            drain_grace_s=overrides.pop("drain_grace_s", 0.5),
+            drain_grace_s=overrides.pop("drain_grace_s", 0.1),
             **overrides,
         )
         server = Server(settings)

@@ -135,6 +135,7 @@ class Server:
             self._timers.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timers
+        self.registry.close_streams()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._metrics_server is not None:

@@ -309,6 +309,13 @@ class Registry:
             on_ready()
         return subscription
 
+    def close_streams(self) -> None:
+        """End every live stream cleanly (shutdown); engines see a normal end."""
+        for channel in self._channels.values():
+            if channel.subscription is not None:
+                channel.subscription.closed = True
+                channel.subscription.on_ready()
+
     def unsubscribe(self, subscription: Subscription) -> None:
         channel = self._channels.get(subscription.engine_id)
         subscription.closed = True

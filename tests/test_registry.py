@@ -1,0 +1,345 @@
+"""The registry's time and failure rules, driven by a fake clock: no sleeping."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from typing import Any
+
+import pytest
+
+from handoff_server.config import Settings
+from handoff_server.core import Handoff
+from handoff_server.metrics import Metrics
+from handoff_server.model import (
+    ActionKind,
+    AlreadyExists,
+    Canceled,
+    Completion,
+    DestinationReserved,
+    Internal,
+    NotFound,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    ResourceExhausted,
+    SourceHeld,
+    TimingMode,
+    TransferCompleted,
+    TransferTiming,
+    Unavailable,
+)
+from handoff_server.registry import Dispatch, Registry, Role, StartRequest, Subscription
+
+SOURCE, DESTINATION = "prefill-a", "decode-b"
+TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1000, 1_000_000, 1.0)  # 1000 ms transfer
+APPLIED = Outcome(OutcomeKind.APPLIED)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Harness:
+    def __init__(self, **overrides: Any) -> None:
+        self.clock = FakeClock()
+        self.metrics = Metrics()
+        # Engines in these tests rarely subscribe; only the tests about
+        # unreachable engines want the delivery timeout to bite.
+        overrides.setdefault("delivery_timeout_s", 1000.0)
+        self.registry = Registry(Settings(**overrides), self.metrics, self.clock)
+        self.inbox: dict[str, list[Dispatch]] = {SOURCE: [], DESTINATION: []}
+        self.subscriptions: dict[str, Subscription] = {}
+
+    def subscribe(self, engine_id: str) -> Subscription:
+        subscription = self.registry.subscribe(engine_id, lambda: None)
+        self.subscriptions[engine_id] = subscription
+        return subscription
+
+    def drain(self, engine_id: str) -> list[Dispatch]:
+        """What the engine's live stream would write now."""
+        batch = self.registry.take(self.subscriptions[engine_id]) or []
+        self.inbox[engine_id].extend(batch)
+        return batch
+
+    def start(self, handoff_id: str | None = None, **extra: Any) -> str:
+        handoff_id = handoff_id or str(uuid.uuid4())
+        self.registry.start(
+            StartRequest(handoff_id, Order.SOURCE_FIRST, SOURCE, DESTINATION, 5.0, **extra)
+        )
+        return handoff_id
+
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.registry.fire_due()
+
+    def phase(self, handoff_id: str) -> Phase:
+        return self.registry.get(handoff_id).core.phase
+
+    def value(self, name: str, **labels: str) -> float:
+        sample = self.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if sample is None else sample
+
+    def succeed(self, handoff_id: str) -> None:
+        """Drive a started SOURCE_FIRST handoff to SUCCESS, as the engines would."""
+        r = self.registry
+        r.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+        r.report_fact(handoff_id, SourceHeld(TIMING))
+        r.report_outcome(handoff_id, 1, Outcome(OutcomeKind.ACCEPTED))
+        r.report_fact(handoff_id, DestinationReserved(1000))
+        r.report_outcome(handoff_id, 2, Outcome(OutcomeKind.SCHEDULED))
+        r.report_fact(handoff_id, TransferCompleted())
+        r.report_outcome(handoff_id, 3, APPLIED)
+        r.report_outcome(handoff_id, 4, APPLIED)
+        assert r.get(handoff_id).core.completion is Completion.SUCCESS
+
+
+def kinds(dispatches: list[Dispatch]) -> list[ActionKind]:
+    return [d.action.kind for d in dispatches]
+
+
+def test_deadline_expiry_times_out_the_handoff() -> None:
+    h = Harness(default_timeout_s=5.0)
+    h.subscribe(SOURCE)
+    handoff_id = h.start()
+    h.advance(4.9)
+    assert h.phase(handoff_id) is Phase.ACTIVE
+    h.advance(0.2)
+    assert h.phase(handoff_id) is Phase.CLEANING_UP
+    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL, ActionKind.CANCEL_SOURCE]
+    assert h.value("handoff_timed_out_total") == 1
+    assert h.value("handoff_facts_total", kind="timed_out", origin="server") == 1
+
+
+def test_per_request_timeout_overrides_the_default() -> None:
+    h = Harness(default_timeout_s=300.0)
+    handoff_id = h.start(timeout_s=2.0)
+    h.advance(2.0)
+    assert h.phase(handoff_id) is Phase.CLEANING_UP
+
+
+def test_scheduled_transfer_extends_the_deadline() -> None:
+    h = Harness(default_timeout_s=10.0)
+    handoff_id = h.start()
+    r = h.registry
+    r.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+    r.report_fact(handoff_id, SourceHeld(TIMING))
+    r.report_outcome(handoff_id, 1, Outcome(OutcomeKind.ACCEPTED))
+    started = r.get(handoff_id).deadline
+    r.report_fact(handoff_id, DestinationReserved(1000))  # StartTransfer, 1000 ms
+    assert r.get(handoff_id).deadline == pytest.approx(started + 1.0)
+    h.advance(10.5)
+    assert h.phase(handoff_id) is Phase.ACTIVE
+    h.advance(0.6)
+    assert h.phase(handoff_id) is Phase.CLEANING_UP
+
+
+def test_engine_that_never_subscribes_fails_the_handoff_and_frees_the_other_side() -> None:
+    h = Harness(delivery_timeout_s=10.0)
+    h.subscribe(SOURCE)
+    handoff_id = h.start()
+    h.registry.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+    h.registry.report_fact(handoff_id, SourceHeld(TIMING))  # ReserveDestination to nobody
+    h.advance(9.9)
+    assert h.phase(handoff_id) is Phase.ACTIVE
+    h.advance(0.2)
+    assert h.phase(handoff_id) is Phase.CLEANING_UP
+    assert ActionKind.CANCEL_SOURCE in kinds(h.drain(SOURCE))
+    assert h.value("handoff_engine_unreachable_total") == 1
+    assert h.value("handoff_facts_total", kind="failed", origin="server") == 1
+
+
+def test_action_for_an_engine_gone_longer_than_delivery_timeout_fails_at_once() -> None:
+    h = Harness(delivery_timeout_s=10.0)
+    subscription = h.subscribe(DESTINATION)
+    h.registry.unsubscribe(subscription)
+    first = h.start()  # keeps the destination's channel alive
+    h.registry.report_outcome(first, 0, Outcome(OutcomeKind.SUBMITTED))
+    h.registry.report_fact(first, SourceHeld(TIMING))
+    h.advance(10.0)
+    assert h.phase(first) is Phase.CLEANING_UP
+    second = h.start()
+    h.registry.report_outcome(second, 0, Outcome(OutcomeKind.SUBMITTED))
+    answer = h.registry.report_fact(second, SourceHeld(TIMING))
+    assert kinds(list(answer.actions)) == [ActionKind.RESERVE_DESTINATION]
+    assert h.phase(second) is Phase.CLEANING_UP  # failed in the same call, no waiting
+
+
+def test_resubscribing_redelivers_unacknowledged_actions_with_attempt_counts() -> None:
+    h = Harness()
+    first = h.subscribe(SOURCE)
+    handoff_id = h.start()
+    (sent,) = h.drain(SOURCE)
+    assert sent.attempt == 1
+    second = h.subscribe(SOURCE)
+    assert first.closed
+    assert h.registry.take(first) is None  # the replaced stream ends
+    (again,) = h.drain(SOURCE)
+    assert (again.action.id, again.attempt) == (sent.action.id, 2)
+    h.registry.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+    h.registry.unsubscribe(second)
+    h.subscribe(SOURCE)
+    assert h.drain(SOURCE) == []  # acknowledged actions are never re-sent
+    assert h.value("handoff_redeliveries_total", kind="submit_prefill") == 1
+
+
+def test_actions_queue_for_an_engine_that_has_not_subscribed_yet() -> None:
+    h = Harness()
+    h.start()
+    h.subscribe(SOURCE)
+    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL]
+
+
+def test_complete_goes_to_both_engines() -> None:
+    h = Harness()
+    h.subscribe(SOURCE)
+    h.subscribe(DESTINATION)
+    handoff_id = h.start()
+    h.succeed(handoff_id)
+    assert kinds(h.drain(SOURCE))[-1] is ActionKind.COMPLETE
+    assert kinds(h.drain(DESTINATION))[-1] is ActionKind.COMPLETE
+
+
+def test_transfer_goes_to_the_configured_executor() -> None:
+    h = Harness()
+    h.subscribe(DESTINATION)
+    handoff_id = h.start(transfer_executor=Role.DESTINATION)
+    h.registry.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+    h.registry.report_fact(handoff_id, SourceHeld(TIMING))
+    h.registry.report_outcome(handoff_id, 1, Outcome(OutcomeKind.ACCEPTED))
+    h.registry.report_fact(handoff_id, DestinationReserved(1000))
+    # ReserveDestination was acknowledged before the stream wrote it: never sent.
+    assert kinds(h.drain(DESTINATION)) == [ActionKind.START_TRANSFER]
+
+
+def test_unacknowledged_cleanup_is_redelivered_with_backoff_then_abandoned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Harness(cleanup_redelivery_s=1.0, cleanup_timeout_s=60.0)
+    h.subscribe(SOURCE)
+    handoff_id = h.start()
+    h.registry.report_fact(handoff_id, Canceled())
+    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL, ActionKind.CANCEL_SOURCE]
+    resent_at = []
+    for _ in range(40):
+        h.advance(0.5)
+        batch = h.drain(SOURCE)
+        if batch:
+            assert kinds(batch) == [ActionKind.CANCEL_SOURCE]
+            resent_at.append(h.clock.now)
+    gaps = [round(b - a, 1) for a, b in itertools.pairwise(resent_at)]
+    assert gaps[:3] == [2.0, 4.0, 8.0]  # 1 s, then doubling
+    with caplog.at_level(logging.ERROR, logger="handoff.registry"):
+        h.advance(60.0)
+    with pytest.raises(NotFound):
+        h.registry.get(handoff_id)
+    assert h.value("handoff_abandoned_total") == 1
+    assert h.registry.active_count == 0
+    (record,) = [r for r in caplog.records if "abandoning" in r.getMessage()]
+    assert "cancel_source#1 to prefill-a" in record.getMessage()
+    assert getattr(record, "handoff_id") == handoff_id  # noqa: B009
+
+
+def test_retention_answers_late_reports_and_blocks_id_reuse_until_it_expires() -> None:
+    h = Harness(retention_s=600.0)
+    handoff_id = h.start()
+    h.succeed(handoff_id)
+    assert h.registry.report_outcome(handoff_id, 4, APPLIED).actions == ()  # late duplicate
+    with pytest.raises(AlreadyExists):
+        h.start(handoff_id)
+    h.advance(599.0)
+    assert h.phase(handoff_id) is Phase.COMPLETE
+    h.advance(1.0)
+    with pytest.raises(NotFound):
+        h.registry.get(handoff_id)
+    h.start(handoff_id)  # the id is free again
+
+
+def test_retention_is_bounded_oldest_first() -> None:
+    h = Harness(max_retained=2)
+    ids = [h.start() for _ in range(3)]
+    for handoff_id in ids:
+        h.succeed(handoff_id)
+    with pytest.raises(NotFound):
+        h.registry.get(ids[0])
+    assert [h.phase(i) for i in ids[1:]] == [Phase.COMPLETE, Phase.COMPLETE]
+
+
+def test_terminal_fact_after_success_reopens_and_leaves_retention_until_done() -> None:
+    h = Harness()
+    h.subscribe(DESTINATION)
+    handoff_id = h.start()
+    h.succeed(handoff_id)
+    h.drain(DESTINATION)
+    answer = h.registry.report_fact(handoff_id, Canceled())
+    assert kinds(list(answer.actions)) == [ActionKind.CANCEL_DESTINATION]
+    assert h.registry.active_count == 1
+    assert h.value("handoff_reopened_total") == 1
+    (cancel,) = h.drain(DESTINATION)
+    h.registry.report_outcome(handoff_id, cancel.action.id, APPLIED)
+    assert h.registry.get(handoff_id).core.completion is Completion.CANCELED
+    assert h.value("handoff_completed_total", result="success") == 1
+    assert h.value("handoff_completed_total", result="canceled") == 1
+
+
+def test_admission_limit() -> None:
+    h = Harness(max_active_handoffs=2)
+    first = h.start()
+    h.start()
+    with pytest.raises(ResourceExhausted, match="limit is 2"):
+        h.start()
+    h.succeed(first)
+    h.start()  # a completed handoff no longer counts
+
+
+def test_per_engine_queue_limit() -> None:
+    h = Harness(max_queued_actions_per_engine=2)
+    h.start()
+    h.start()
+    with pytest.raises(ResourceExhausted, match="engine prefill-a has 2 undelivered actions"):
+        h.start()
+    h.subscribe(SOURCE)
+    h.drain(SOURCE)
+    h.start()
+
+
+def test_draining_refuses_new_handoffs() -> None:
+    h = Harness()
+    h.registry.draining = True
+    with pytest.raises(Unavailable):
+        h.start()
+
+
+def test_unexpected_failure_restores_the_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness()
+    handoff_id = h.start()
+    before = h.registry.get(handoff_id).core.snapshot()
+
+    def half_done(self: Handoff, fact: object) -> None:
+        self._phase = Phase.CLEANING_UP  # a bug that mutates, then crashes
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(Handoff, "apply_fact", half_done)
+    with pytest.raises(Internal):
+        h.registry.report_fact(handoff_id, Canceled())
+    monkeypatch.undo()
+    assert h.registry.get(handoff_id).core.snapshot() == before
+
+
+def test_timers_of_finished_handoffs_do_not_accumulate() -> None:
+    h = Harness(retention_s=1.0)
+    for _ in range(3000):
+        h.succeed(h.start())
+        h.advance(0.01)
+    h.advance(2.0)
+    assert len(h.registry.handoffs) == 0
+    assert len(h.registry._timers) < 2 * 1024 + 10
