@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -177,9 +177,13 @@ class HandoffClient:
         response = await self._call(self._stub.GetHandoff, request, timeout_s, retry=True)
         return handoff_from_pb(response.handoff)
 
-    async def stream_actions(self, engine_id: str) -> AsyncGenerator[Action, None]:
+    async def stream_actions(
+        self, engine_id: str, on_subscribed: Callable[[], None] | None = None
+    ) -> AsyncGenerator[Action, None]:
         """Every action addressed to ``engine_id``, until the stream ends or fails.
 
+        ``on_subscribed`` is called once the server confirms the subscription
+        (its response headers), which may be long before the first action.
         A long-lived stream: it has no deadline and is not retried here
         (:class:`~handoff_client.sidecar.EngineSidecar` reconnects). Close it
         with ``contextlib.aclosing`` to cancel the call.
@@ -188,6 +192,9 @@ class HandoffClient:
             pb.StreamActionsRequest(engine_id=engine_id), metadata=self._metadata
         )
         try:
+            if on_subscribed is not None:
+                await call.initial_metadata()
+                on_subscribed()
             async for message in call:
                 yield action_from_pb(message)
         except grpc.aio.AioRpcError as error:

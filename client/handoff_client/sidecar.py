@@ -52,7 +52,6 @@ from handoff_client.transport import SidecarTransport, UnaryTransport
 log = logging.getLogger("handoff.sidecar")
 
 MAX_REASON = 1000  # the server takes at most 1 KiB of reason
-HEALTHY_STREAM_S = 1.0  # a stream that stayed up this long resets the reconnect backoff
 
 
 class Facts:
@@ -185,6 +184,7 @@ class EngineSidecar:
         self._running: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
         self._received = self._handled = self._cache_hits = self._ignored = 0
         self._handler_errors = self._reconnects = self._rejected = 0
 
@@ -200,6 +200,15 @@ class EngineSidecar:
             report_retries=self._outbox.retries,
             reports_rejected=self._rejected,
         )
+
+    @property
+    def subscribed(self) -> bool:
+        """Whether the server has confirmed the current subscription."""
+        return self._subscribed.is_set()
+
+    async def wait_subscribed(self) -> None:
+        """Until the server confirms a subscription (at start, or after a reconnect)."""
+        await self._subscribed.wait()
 
     async def __aenter__(self) -> Self:
         self.start()
@@ -241,16 +250,18 @@ class EngineSidecar:
     # --- the stream ------------------------------------------------------------
 
     async def _read(self) -> None:
-        loop = asyncio.get_running_loop()
         failures = 0
+
+        def on_subscribed() -> None:
+            nonlocal failures
+            failures = 0
+            self._subscribed.set()
+
         while True:
-            opened = loop.time()
             try:
-                async with contextlib.aclosing(
-                    self._transport.subscribe(self.engine_id)
-                ) as actions:
+                subscription = self._transport.subscribe(self.engine_id, on_subscribed)
+                async with contextlib.aclosing(subscription) as actions:
                     async for action in actions:
-                        failures = 0
                         await self._dispatch(action)
                 log.warning(
                     "action stream ended by the server (replaced, or shutting down)",
@@ -260,8 +271,7 @@ class EngineSidecar:
                 log.warning("action stream failed: %s", error, extra={"engine_id": self.engine_id})
             except Exception:  # a transport bug must not end the sidecar for good
                 log.exception("action stream broke", extra={"engine_id": self.engine_id})
-            if loop.time() - opened >= HEALTHY_STREAM_S:
-                failures = 0
+            self._subscribed.clear()
             failures += 1
             self._reconnects += 1
             await asyncio.sleep(self._backoff.delay_s(failures, self._rng))

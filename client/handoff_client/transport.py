@@ -12,7 +12,7 @@ idempotent on the server) and treats any other error as final.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Protocol
 
 from handoff_client.client import HandoffClient
@@ -20,8 +20,13 @@ from handoff_client.model import Action, Fact, Outcome
 
 
 class SidecarTransport(Protocol):
-    def subscribe(self, engine_id: str) -> AsyncGenerator[Action, None]:
-        """Actions for ``engine_id`` until the subscription ends; closing it unsubscribes."""
+    def subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        """Actions for ``engine_id`` until the subscription ends; closing it unsubscribes.
+
+        ``on_subscribed`` is called once the server has registered the subscription.
+        """
         ...
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None: ...
@@ -35,8 +40,10 @@ class UnaryTransport:
     def __init__(self, client: HandoffClient) -> None:
         self._client = client
 
-    def subscribe(self, engine_id: str) -> AsyncGenerator[Action, None]:
-        return self._client.stream_actions(engine_id)
+    def subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        return self._client.stream_actions(engine_id, on_subscribed)
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         await self._client.report_fact(handoff_id, fact)

@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from handoff_client.sim import cli as sim_cli
+from handoff_client.sim import demo
 from handoff_server import health, inspect_cmd, replay, serve
 
 
@@ -19,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd.add_parser(commands)
     replay.add_parser(commands)
     health.add_parser(commands)
+    sim_cli.add_parser(commands)
+    demo.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,146 @@
+"""The simulated fleet: per stack, prefill and decode engines, each behind its own sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from handoff_client.client import HandoffClient
+from handoff_client.model import EngineType, Role
+from handoff_client.retry import Backoff
+from handoff_client.sidecar import EngineSidecar, SidecarStats
+from handoff_client.sim.config import SimConfig
+from handoff_client.sim.engine import SimEngine
+from handoff_client.sim.faults import FlakyTransport
+from handoff_client.sim.pool import KvBlockPool
+from handoff_client.sim.workload import RequestBook
+from handoff_client.transport import SidecarTransport, UnaryTransport
+
+# Simulated sidecars reconnect quickly: the demo's delivery timeout is short.
+SIM_RECONNECT = Backoff(initial_s=0.02, max_s=0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One engine, its sidecar, and its connection (flaky when drops are injected)."""
+
+    stack: EngineType
+    role: Role  # SOURCE: a prefill engine; DESTINATION: a decode engine
+    engine: SimEngine
+    sidecar: EngineSidecar
+    transport: FlakyTransport | None
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine.engine_id
+
+
+class Cluster:
+    def __init__(
+        self,
+        client: HandoffClient,
+        config: SimConfig,
+        book: RequestBook,
+        on_complete: Callable[[str], None],
+        rng: random.Random,
+    ) -> None:
+        self.nodes: list[Node] = []
+        faults = config.faults
+        profile = config.engine
+        for stack in config.load.stacks:
+            for role, count, blocks in (
+                (Role.SOURCE, config.prefill_engines, profile.prefill_blocks),
+                (Role.DESTINATION, config.decode_engines, profile.decode_blocks),
+            ):
+                for index in range(count):
+                    kind = "prefill" if role is Role.SOURCE else "decode"
+                    engine = SimEngine(
+                        f"{stack.name.lower()}-{kind}-{index}",
+                        KvBlockPool(blocks, profile.block_size),
+                        book,
+                        profile,
+                        rng=random.Random(rng.random()),
+                        on_complete=on_complete,
+                        time_scale=config.time_scale,
+                        failure_rate=faults.action_failure_rate,
+                    )
+                    flaky = None
+                    transport: SidecarTransport = UnaryTransport(client)
+                    if faults.stream_drop_every_s > 0:
+                        transport = flaky = FlakyTransport(
+                            transport,
+                            mean_interval_s=faults.stream_drop_every_s,
+                            blackout_s=faults.blackout_s,
+                            rng=random.Random(rng.random()),
+                        )
+                    sidecar = EngineSidecar(
+                        transport,
+                        engine.engine_id,
+                        engine,
+                        reconnect_backoff=SIM_RECONNECT,
+                        rng=random.Random(rng.random()),
+                    )
+                    self.nodes.append(Node(stack, role, engine, sidecar, flaky))
+        self._unroutable: set[str] = set()
+        self.doomed = self._pick_doomed(faults.dead_engines, rng)
+        healthy = [n for n in self.nodes if n not in self.doomed]
+        for node in rng.sample(healthy, faults.slow_engines):
+            node.engine.slowdown = faults.slow_factor
+
+    def _pick_doomed(self, count: int, rng: random.Random) -> list[Node]:
+        """Engines that will die, chosen so every stack keeps one engine of each role."""
+        doomed: list[Node] = []
+        for node in rng.sample(self.nodes, len(self.nodes)):
+            if len(doomed) == count:
+                break
+            peers = [n for n in self.nodes if (n.stack, n.role) == (node.stack, node.role)]
+            if sum(1 for n in peers if n not in doomed) > 1:
+                doomed.append(node)
+        if len(doomed) < count:
+            raise ValueError(
+                f"cannot kill {count} engines and keep one of each role per stack alive"
+            )
+        return doomed
+
+    async def start(self) -> None:
+        for node in self.nodes:
+            node.sidecar.start()
+        await asyncio.gather(*(node.sidecar.wait_subscribed() for node in self.nodes))
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(n.sidecar.stop() for n in self.nodes if not n.engine.dead))
+
+    async def kill(self, node: Node, detection_s: float) -> None:
+        """Kill ``node``; the router keeps sending it work until it notices, ``detection_s`` on."""
+        node.engine.kill()
+        await node.sidecar.stop(grace_s=0)
+        await asyncio.sleep(detection_s)
+        self._unroutable.add(node.engine_id)
+
+    def routable(self, stack: EngineType, role: Role) -> list[Node]:
+        """The engines the router believes alive, for one stack and role."""
+        return [
+            n
+            for n in self.nodes
+            if n.stack is stack and n.role is role and n.engine_id not in self._unroutable
+        ]
+
+    @property
+    def dead_engine_ids(self) -> frozenset[str]:
+        return frozenset(n.engine_id for n in self.nodes if n.engine.dead)
+
+    def sidecar_totals(self) -> SidecarStats:
+        stats = [n.sidecar.stats for n in self.nodes]
+        return SidecarStats(
+            *(sum(getattr(s, f) for s in stats) for f in SidecarStats.__dataclass_fields__)
+        )
+
+    @property
+    def stream_drops(self) -> int:
+        return sum(n.transport.drops for n in self.nodes if n.transport is not None)
+
+    @property
+    def injected_failures(self) -> int:
+        return sum(n.engine.injected_failures for n in self.nodes)

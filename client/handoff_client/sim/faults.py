@@ -1,0 +1,79 @@
+"""Connection faults, injected between a sidecar and its transport.
+
+:class:`FlakyTransport` wraps a real transport. Now and then (exponentially
+distributed, ``mean_interval_s`` apart on average) it cuts the connection:
+the action stream fails, and for ``blackout_s`` every report and every new
+subscription fails with UNAVAILABLE, as if the network were down. The
+sidecar must reconnect, retry its reports in order, and answer the actions
+the server redelivers from its outcome cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncGenerator, Callable
+
+from handoff_client.errors import UnavailableError
+from handoff_client.model import Action, Fact, Outcome
+from handoff_client.transport import SidecarTransport
+
+
+class FlakyTransport:
+    def __init__(
+        self,
+        inner: SidecarTransport,
+        *,
+        mean_interval_s: float,
+        blackout_s: float,
+        rng: random.Random,
+    ) -> None:
+        if mean_interval_s <= 0 or blackout_s < 0:
+            raise ValueError("mean_interval_s must be > 0 and blackout_s >= 0")
+        self._inner = inner
+        self._mean_interval_s = mean_interval_s
+        self._blackout_s = blackout_s
+        self._rng = rng
+        self._down_until = 0.0
+        self.drops = 0
+
+    def subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        return self._subscribe(engine_id, on_subscribed)
+
+    async def report_fact(self, handoff_id: str, fact: Fact) -> None:
+        self._check_up()
+        await self._inner.report_fact(handoff_id, fact)
+
+    async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
+        self._check_up()
+        await self._inner.report_outcome(handoff_id, action_id, outcome)
+
+    def _check_up(self) -> None:
+        if asyncio.get_running_loop().time() < self._down_until:
+            raise UnavailableError("injected fault: connection down")
+
+    async def _subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        self._check_up()
+        loop = asyncio.get_running_loop()
+        drop_at = loop.time() + self._rng.expovariate(1.0 / self._mean_interval_s)
+        actions = self._inner.subscribe(engine_id, on_subscribed)
+        try:
+            while True:
+                try:
+                    # Only the wait for the next action is under the timeout,
+                    # never the yield: the consumer's work must not be cut.
+                    async with asyncio.timeout_at(drop_at):
+                        action = await anext(actions)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    self.drops += 1
+                    self._down_until = loop.time() + self._blackout_s
+                    raise UnavailableError("injected fault: connection dropped") from None
+                yield action
+        finally:
+            await actions.aclose()

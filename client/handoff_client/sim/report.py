@@ -1,0 +1,129 @@
+"""The end-of-run summary: what the simulation saw, and what the server counted."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from handoff_client.model import Completion
+from handoff_client.sim.run import SimResult
+from handoff_client.sim.scrape import ServerMetrics
+
+KEY_WIDTH = 20
+SHOWN_PROBLEMS = 5
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of ``values`` (not empty), ``q`` in (0, 100]."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q / 100.0 * len(ordered)) - 1, 0)]
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def render(result: SimResult, metrics: ServerMetrics | str) -> str:
+    """The summary table; ``metrics`` is the server's scrape, or why it failed."""
+    rows: list[tuple[str, str]] = []
+    c = result.counters
+    journeys = result.journeys
+    canceled = [j for j in journeys if j.final and j.final.completion is Completion.CANCELED]
+    in_decode = sum(1 for j in canceled if j.canceled_in_decode)
+    by_client = sum(1 for j in canceled if j.canceled_in_flight and not j.canceled_in_decode)
+    leaks = result.leaks
+    rows += [
+        (
+            "handoffs",
+            f"{c.started} started in {result.load_s:.1f} s "
+            f"({c.started / max(result.load_s, 1e-9):.1f}/s), {result.total_s:.1f} s with settling",
+        ),
+        ("success", str(c.success)),
+        (
+            "canceled",
+            f"{c.canceled} (by the client {by_client}, during decode {in_decode}, "
+            f"after a fault {len(canceled) - by_client - in_decode})",
+        ),
+        ("abandoned", f"{c.abandoned} (cleanup owed by a dead engine)"),
+        ("refused", f"{c.refused} (StartHandoff refused)"),
+        ("stuck", str(len(leaks.stuck) + len(leaks.lost))),
+        ("leaked", f"{leaks.leaked_blocks} blocks ({leaks.pools_checked} live engines checked)"),
+    ]
+    latencies = [
+        j.latency_s for j in journeys if j.final and j.final.completion is Completion.SUCCESS
+    ]
+    success_latencies = [s for s in latencies if s is not None]
+    if success_latencies:
+        rows.append(
+            (
+                "latency p50/p95/p99",
+                " / ".join(duration(percentile(success_latencies, q)) for q in (50, 95, 99))
+                + " (start to success)",
+            )
+        )
+    rows.append(("throughput", f"{c.finished / max(result.total_s, 1e-9):.1f} handoffs/s finished"))
+    s = result.sidecars
+    rows += [
+        (
+            "faults",
+            f"{result.injected_failures} failed actions, {result.stream_drops} connection "
+            f"drops, killed: {', '.join(result.killed) or 'none'}, "
+            f"slow: {', '.join(result.slow) or 'none'}",
+        ),
+        (
+            "sidecars",
+            f"{s.handlers_run} handlers run, {s.answered_from_cache} redeliveries answered "
+            f"from cache, {s.ignored_while_running} while running, {s.reconnects} reconnects, "
+            f"{s.report_retries} report retries",
+        ),
+    ]
+    lines = ["", "summary"] + [f"{key:>{KEY_WIDTH}}: {value}" for key, value in rows]
+    lines += ["", "server /metrics", *_server_rows(metrics)]
+    lines += ["", _verdict(result)]
+    return "\n".join(lines)
+
+
+def _server_rows(metrics: ServerMetrics | str) -> list[str]:
+    if isinstance(metrics, str):
+        return [f"{'unavailable':>{KEY_WIDTH}}: {metrics}"]
+    completed = metrics.by_label("handoff_completed_total", "result")
+    phases = metrics.by_label("handoff_handoffs", "phase")
+    rejections = metrics.by_label("handoff_rejections_total", "code")
+    rows = [
+        ("started", metrics.total("handoff_started_total")),
+        ("completed success", completed.get("success", 0.0)),
+        ("completed canceled", completed.get("canceled", 0.0)),
+        ("reopened", metrics.total("handoff_reopened_total")),
+        ("timed out", metrics.total("handoff_timed_out_total")),
+        ("abandoned", metrics.total("handoff_abandoned_total")),
+        ("engine unreachable", metrics.total("handoff_engine_unreachable_total")),
+        ("redeliveries", metrics.total("handoff_redeliveries_total")),
+        ("active now", phases.get("active", 0.0)),
+        ("cleaning up now", phases.get("cleaning_up", 0.0)),
+        ("facts from server", metrics.by_label("handoff_facts_total", "origin").get("server", 0.0)),
+    ]
+    lines = [f"{key:>{KEY_WIDTH}}: {value:.0f}" for key, value in rows]
+    shown = ", ".join(f"{code} {n:.0f}" for code, n in sorted(rejections.items()) if n)
+    lines.append(f"{'rejections':>{KEY_WIDTH}}: {shown or '0'}")
+    return lines
+
+
+def _verdict(result: SimResult) -> str:
+    leaks = result.leaks
+    if result.counters.started == 0:
+        return "FAIL: no handoff was started"
+    if leaks.ok:
+        return "PASS: every handoff finished and every live KV pool is full again"
+    problems = [
+        f"{leak.engine_id} holds {leak.blocks} blocks for {', '.join(leak.holders[:3])}"
+        for leak in leaks.leaks
+    ]
+    problems += [
+        f"handoff {j.handoff_id} unfinished: "
+        f"{j.final.phase.name if j.final else 'unknown to the server'}"
+        for j in leaks.stuck
+    ]
+    problems += [f"handoff {j.handoff_id} abandoned with both engines alive" for j in leaks.lost]
+    shown = "\n  ".join(problems[:SHOWN_PROBLEMS])
+    more = len(problems) - SHOWN_PROBLEMS
+    return f"FAIL:\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "")

@@ -1,0 +1,101 @@
+"""One simulation: fleet up, load, faults, settle, leak check, fleet down."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import TextIO
+
+from handoff_client.client import HandoffClient
+from handoff_client.sidecar import SidecarStats
+from handoff_client.sim.cluster import Cluster
+from handoff_client.sim.config import SimConfig
+from handoff_client.sim.frontend import Counters, Frontend, Journey, Notices
+from handoff_client.sim.leaks import LeakCheck, check_leaks
+from handoff_client.sim.progress import Progress
+from handoff_client.sim.workload import RequestBook
+
+SUBSCRIBE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    journeys: tuple[Journey, ...]
+    counters: Counters
+    leaks: LeakCheck
+    load_s: float  # how long handoffs were being started
+    total_s: float  # load plus settling
+    sidecars: SidecarStats  # summed over every engine
+    stream_drops: int
+    injected_failures: int
+    killed: tuple[str, ...]
+    slow: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.counters.started > 0 and self.leaks.ok
+
+
+async def simulate(
+    client: HandoffClient, config: SimConfig, progress_to: TextIO | None = None
+) -> SimResult:
+    """Run ``config`` against the server behind ``client``, drawing progress on ``progress_to``."""
+    loop = asyncio.get_running_loop()
+    rng = random.Random(config.seed)
+    book = RequestBook()
+    notices = Notices()
+    cluster = Cluster(client, config, book, notices.notify, rng)
+    frontend = Frontend(client, cluster, book, notices, config, rng)
+    progress = None
+    if progress_to is not None:
+        progress = Progress(
+            progress_to,
+            frontend.counters,
+            duration_s=config.load.duration_s,
+            max_handoffs=config.load.max_handoffs,
+        )
+    async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+        await cluster.start()
+    began = loop.time()
+    background = [asyncio.create_task(_kill_doomed(cluster, config))]
+    if progress is not None:
+        background.append(asyncio.create_task(progress.run()))
+    try:
+        load_s = await frontend.generate()
+        if progress is not None:
+            progress.stage = "settle"
+        journeys = await frontend.settle(config.settle_timeout_s)
+        leaks = await check_leaks(cluster, journeys, config.settle_timeout_s)
+    finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await cluster.stop()
+    total_s = loop.time() - began
+    if progress is not None:
+        progress.finish(total_s)
+    return SimResult(
+        journeys=tuple(journeys),
+        counters=frontend.counters,
+        leaks=leaks,
+        load_s=load_s,
+        total_s=total_s,
+        sidecars=cluster.sidecar_totals(),
+        stream_drops=cluster.stream_drops,
+        injected_failures=cluster.injected_failures,
+        killed=tuple(sorted(cluster.dead_engine_ids)),
+        slow=tuple(n.engine_id for n in cluster.nodes if n.engine.slowdown != 1.0),
+    )
+
+
+async def _kill_doomed(cluster: Cluster, config: SimConfig) -> None:
+    if not cluster.doomed:
+        return
+    load = config.load
+    # Count-bounded runs have no duration; estimate it from the rate.
+    duration_s = load.duration_s if load.duration_s > 0 else load.max_handoffs / load.rate
+    await asyncio.sleep(config.faults.dead_at_fraction * duration_s)
+    await asyncio.gather(
+        *(cluster.kill(node, config.faults.dead_detection_s) for node in cluster.doomed)
+    )
