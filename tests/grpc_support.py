@@ -150,26 +150,18 @@ def answer(
     return Answer(ok, code, actions, state[0], state[1], message)
 
 
-class StreamRecorder:
-    """Reads one engine's StreamActions and records every action it receives."""
+class ActionLog:
+    """Every action one engine received, awaitable by (handoff id, action id)."""
 
-    def __init__(self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str) -> None:
+    def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self.received: dict[tuple[str, int], list[pb.Action]] = defaultdict(list)
         self._changed = asyncio.Condition()
-        self._call = stub.StreamActions(pb.StreamActionsRequest(engine_id=engine_id))
-        self._task = asyncio.create_task(self._read())
 
-    async def _read(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            async for action in self._call:
-                async with self._changed:
-                    self.received[(action.handoff_id, action.id)].append(action)
-                    self._changed.notify_all()
-
-    async def subscribed(self) -> None:
-        """Returns once the server has registered this stream (it sends headers then)."""
-        await self._call.initial_metadata()
+    async def record(self, action: pb.Action) -> None:
+        async with self._changed:
+            self.received[(action.handoff_id, action.id)].append(action)
+            self._changed.notify_all()
 
     async def wait_for(self, handoff_id: str, action_id: int, attempts: int = 1) -> pb.Action:
         """The latest copy of an action, once at least ``attempts`` copies arrived."""
@@ -177,6 +169,24 @@ class StreamRecorder:
         async with self._changed:
             await self._changed.wait_for(lambda: len(self.received[key]) >= attempts)
             return self.received[key][-1]
+
+
+class StreamRecorder(ActionLog):
+    """Reads one engine's StreamActions and records every action it receives."""
+
+    def __init__(self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str) -> None:
+        super().__init__(engine_id)
+        self._call = stub.StreamActions(pb.StreamActionsRequest(engine_id=engine_id))
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            async for action in self._call:
+                await self.record(action)
+
+    async def subscribed(self) -> None:
+        """Returns once the server has registered this stream (it sends headers then)."""
+        await self._call.initial_metadata()
 
     async def stream_ended(self) -> grpc.StatusCode:
         await self._task
@@ -203,3 +213,78 @@ async def recorders(
 
 def same_delay(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
+
+
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class ConnectEngine(ActionLog):
+    """One engine on the bidirectional Connect stream: reports out, acks and actions in."""
+
+    def __init__(self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str) -> None:
+        super().__init__(engine_id)
+        self._outbox: asyncio.Queue[pb.ConnectRequest | None] = asyncio.Queue()
+        self._acks: dict[int, asyncio.Future[pb.ConnectAck]] = {}
+        self._next_request = 0
+        self._outbox.put_nowait(pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id)))
+        self._call = stub.Connect(self._requests())
+        self._task = asyncio.create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[pb.ConnectRequest]:
+        while (request := await self._outbox.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            async for response in self._call:
+                if response.WhichOneof("kind") == "ack":
+                    self._acks.pop(response.ack.request_id).set_result(response.ack)
+                else:
+                    await self.record(response.action)
+
+    async def subscribed(self) -> None:
+        await self._call.initial_metadata()
+
+    async def report(
+        self, message: pb.ReportFactRequest | pb.ReportOutcomeRequest
+    ) -> pb.ConnectAck:
+        self._next_request += 1
+        request = pb.ConnectRequest(request_id=self._next_request)
+        if isinstance(message, pb.ReportFactRequest):
+            request.fact.CopyFrom(message)
+        else:
+            request.outcome.CopyFrom(message)
+        acknowledged: asyncio.Future[pb.ConnectAck] = asyncio.get_running_loop().create_future()
+        self._acks[self._next_request] = acknowledged
+        await self._outbox.put(request)
+        return await acknowledged
+
+    async def close(self) -> None:
+        await self._outbox.put(None)
+        await self._task
+
+
+async def call_connect(
+    stub: pb_grpc.HandoffCoordinatorAsyncStub,
+    engine: ConnectEngine,
+    handoff_id: str,
+    step: StartStep | FactStep | OutcomeStep,
+) -> tuple[bool, str | None, str, tuple[Action, ...]]:
+    """One conformance step with facts and outcomes on Connect (start stays unary)."""
+    if isinstance(step, StartStep):
+        return await call_unary(stub, handoff_id, step)
+    if isinstance(step, FactStep):
+        ack = await engine.report(
+            pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_message(step.fact))
+        )
+    else:
+        ack = await engine.report(
+            pb.ReportOutcomeRequest(
+                handoff_id=handoff_id,
+                action_id=step.action_id,
+                outcome=outcome_message(step.outcome),
+            )
+        )
+    if ack.code != 0:
+        return False, CODE_NAMES[ack.code], ack.message, ()
+    return True, None, "", tuple(core_action(a) for a in ack.actions)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
@@ -13,11 +14,13 @@ from handoff_server.model import Action, ActionKind
 from tests.grpc_support import (
     DESTINATION,
     SOURCE,
+    ActionLog,
+    ConnectEngine,
     StreamRecorder,
     answer,
+    call_connect,
     call_unary,
     observe_state,
-    recorders,
     same_delay,
 )
 from tests.support import all_vectors
@@ -34,12 +37,16 @@ DESTINATION_KINDS = {
 async def run_vector(
     stub: pb_grpc.HandoffCoordinatorAsyncStub,
     vector: Vector,
-    source: StreamRecorder,
-    destination: StreamRecorder,
+    source: ActionLog,
+    destination: ActionLog,
 ) -> Failure | None:
     handoff_id = vector.handoff_id
     for index, step in enumerate(vector.steps):
-        ok, code, message, actions = await call_unary(stub, handoff_id, step)
+        if isinstance(source, ConnectEngine):
+            # Reports travel on the source's Connect stream, whoever they are about.
+            ok, code, message, actions = await call_connect(stub, source, handoff_id, step)
+        else:
+            ok, code, message, actions = await call_unary(stub, handoff_id, step)
         state = await observe_state(stub, handoff_id)
         reason = mismatch(step.expect, answer(ok, code, message, actions, state))
         if reason is None:
@@ -54,12 +61,12 @@ async def run_vector(
 async def check_routing(
     handoff_id: str,
     actions: tuple[Action, ...],
-    source: StreamRecorder,
-    destination: StreamRecorder,
+    source: ActionLog,
+    destination: ActionLog,
 ) -> str | None:
     """Each action must reach its engine's stream (Complete: both), intact."""
     for action in actions:
-        targets: list[StreamRecorder] = []
+        targets: list[ActionLog] = []
         if action.kind in SOURCE_KINDS or action.kind is ActionKind.START_TRANSFER:
             targets = [source]  # the default transfer executor is the source
         elif action.kind in DESTINATION_KINDS:
@@ -80,19 +87,32 @@ async def check_routing(
     return None
 
 
-async def test_all_vectors_pass_through_a_running_server(server: Server) -> None:
+@pytest.mark.parametrize("transport", ["unary", "connect"])
+async def test_all_vectors_pass_through_a_running_server(server: Server, transport: str) -> None:
+    """Facts and outcomes on the unary RPCs (actions on StreamActions), or all on Connect."""
     vectors = all_vectors()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.HandoffCoordinatorStub(channel)
-        async with recorders(stub, SOURCE, DESTINATION) as (source, destination):
-            limit = asyncio.Semaphore(CONCURRENCY)
+        engines: list[StreamRecorder] | list[ConnectEngine]
+        if transport == "unary":
+            engines = [StreamRecorder(stub, SOURCE), StreamRecorder(stub, DESTINATION)]
+        else:
+            engines = [ConnectEngine(stub, SOURCE), ConnectEngine(stub, DESTINATION)]
+        for engine in engines:
+            await engine.subscribed()
+        source, destination = engines
+        limit = asyncio.Semaphore(CONCURRENCY)
 
-            async def one(vector: Vector) -> Failure | None:
-                async with limit:
-                    return await run_vector(stub, vector, source, destination)
+        async def one(vector: Vector) -> Failure | None:
+            async with limit:
+                return await run_vector(stub, vector, source, destination)
 
+        try:
             async with asyncio.timeout(240):
                 results = await asyncio.gather(*(one(v) for v in vectors))
+        finally:
+            for engine in engines:
+                await engine.close()
     failures = [str(f) for f in results if f is not None]
     assert failures == []
     assert server.registry.handoffs, "the vectors left no retained handoffs behind"
