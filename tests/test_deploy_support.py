@@ -179,3 +179,15 @@ def test_grafana_variables_become_parseable() -> None:
         grafana_to_promql('rate(x{job=~"$job", ns=~"${namespace}"}[$__rate_interval])')
         == 'rate(x{job=~".*", ns=~".*"}[5m])'
     )
+
+
+def test_a_missing_validator_skips_locally(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no-such-tool not found"):
+        tool("no-such-tool", "install it")
+
+
+def test_a_missing_validator_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true: this validator must run in CI"):
+        tool("no-such-tool", "install it")
