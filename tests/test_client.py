@@ -1,0 +1,351 @@
+"""HandoffClient against a real server: typed answers, typed errors, retries, credentials."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+
+from handoff_client import (
+    ActionKind,
+    Backoff,
+    Canceled,
+    EngineType,
+    HandoffClient,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    RetryPolicy,
+    Role,
+    SourceHeld,
+    TimingMode,
+    TransferTiming,
+)
+from handoff_client.credentials import ChannelSecurity
+from handoff_client.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    HandoffRpcError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from handoff_server.app import Server
+from handoff_server.config import Settings
+from tests.conftest import StartServer
+
+TIMEOUT_S = 10.0
+# Let a channel whose server was down try again quickly (gRPC's default waits 1 s).
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200))
+
+
+class CountingRandom(random.Random):
+    """Counts backoff draws (one per retry) and wakes a waiter at each."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.draws = 0
+        self.drawn = asyncio.Event()
+
+    def uniform(self, a: float, b: float) -> float:
+        self.draws += 1
+        self.drawn.set()
+        return super().uniform(a, b)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+async def client(server: Server) -> AsyncIterator[HandoffClient]:
+    async with HandoffClient(f"127.0.0.1:{server.port}", timeout_s=TIMEOUT_S) as client:
+        yield client
+
+
+async def start_vllm(client: HandoffClient, handoff_id: str | None = None) -> str:
+    handoff_id = handoff_id or str(uuid.uuid4())
+    await client.start_handoff(
+        handoff_id,
+        engine_type=EngineType.VLLM,
+        source_engine_id="prefill-0",
+        destination_engine_id="decode-0",
+    )
+    return handoff_id
+
+
+async def test_calls_answer_with_typed_values(client: HandoffClient) -> None:
+    handoff_id = str(uuid.uuid4())
+    async with asyncio.timeout(TIMEOUT_S):
+        started = await client.start_handoff(
+            handoff_id,
+            engine_type=EngineType.SGLANG,
+            source_engine_id="prefill-0",
+            destination_engine_id="decode-0",
+            transfer_executor=Role.DESTINATION,
+            handoff_timeout_s=30.0,
+        )
+        (reserve,) = started.actions
+        accepted = await client.report_outcome(
+            handoff_id, reserve.id, Outcome(OutcomeKind.ACCEPTED)
+        )
+        handoff = await client.get_handoff(handoff_id)
+    assert started.handoff.order is Order.DESTINATION_FIRST  # implied by sglang
+    assert (reserve.kind, reserve.target, reserve.engine_id) == (
+        ActionKind.RESERVE_DESTINATION,
+        Role.DESTINATION,
+        "decode-0",
+    )
+    assert accepted.actions == ()  # DestinationReserved comes next, from the engine
+    assert handoff.phase is Phase.ACTIVE
+    assert handoff.completion is None
+    assert handoff.transfer_executor is Role.DESTINATION
+    assert handoff.outstanding_actions == ()
+    assert handoff.started_at is not None
+    assert handoff.deadline is not None
+    assert 29 < (handoff.deadline - handoff.started_at).total_seconds() <= 30
+
+
+async def test_each_refusal_raises_its_own_exception(client: HandoffClient) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
+        handoff_id = await start_vllm(client)
+        with pytest.raises(AlreadyExistsError) as exists:
+            await start_vllm(client, handoff_id)
+        with pytest.raises(NotFoundError):
+            await client.get_handoff(str(uuid.uuid4()))
+        with pytest.raises(NotFoundError):
+            await client.report_outcome(handoff_id, 99, Outcome(OutcomeKind.SUBMITTED))
+        with pytest.raises(InvalidArgumentError):  # SubmitPrefill is never APPLIED
+            await client.report_outcome(handoff_id, 0, Outcome(OutcomeKind.APPLIED))
+        with pytest.raises(FailedPreconditionError):  # held before the submission was acked
+            await client.report_fact(
+                handoff_id, SourceHeld(TransferTiming(TimingMode.FULL_PROMPT, 10))
+            )
+        with pytest.raises(InvalidArgumentError):
+            await client.start_handoff(
+                str(uuid.uuid4()),
+                order=Order.SOURCE_FIRST,
+                source_engine_id="not an engine id!",
+                destination_engine_id="decode-0",
+            )
+    # Chained from the gRPC error, with the server's message (which names the handoff).
+    assert isinstance(exists.value.__cause__, grpc.aio.AioRpcError)
+    assert exists.value.code is grpc.StatusCode.ALREADY_EXISTS
+    assert handoff_id in exists.value.details
+    # A refused call changed nothing: the right outcome is still accepted.
+    async with asyncio.timeout(TIMEOUT_S):
+        update = await client.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+    assert update.handoff.phase is Phase.ACTIVE
+
+
+async def test_admission_limit_is_resource_exhausted(start_server: StartServer) -> None:
+    server = await start_server(max_active_handoffs=1)
+    async with HandoffClient(f"127.0.0.1:{server.port}") as client, asyncio.timeout(TIMEOUT_S):
+        await start_vllm(client)
+        with pytest.raises(ResourceExhaustedError):
+            await start_vllm(client)
+
+
+async def test_idempotent_calls_retry_until_the_server_is_up() -> None:
+    port = free_port()
+    rng = CountingRandom()
+    retry = RetryPolicy(max_attempts=200, backoff=Backoff(initial_s=0.01, max_s=0.05))
+    async with HandoffClient(
+        f"127.0.0.1:{port}", retry=retry, rng=rng, channel_options=FAST_RECONNECT
+    ) as client:
+        lookup = asyncio.create_task(client.get_handoff(str(uuid.uuid4())))
+        async with asyncio.timeout(TIMEOUT_S):
+            await rng.drawn.wait()  # the first attempt failed and a retry is scheduled
+            server = Server(
+                Settings(host="127.0.0.1", port=port, metrics_port=-1, drain_grace_s=0.1)
+            )
+            await server.start()
+            try:
+                with pytest.raises(NotFoundError):  # it reached the server
+                    await lookup
+            finally:
+                await server.stop()
+    assert rng.draws >= 1
+
+
+async def test_retries_stop_at_max_attempts() -> None:
+    rng = CountingRandom()
+    retry = RetryPolicy(max_attempts=3, backoff=Backoff(initial_s=0.01, max_s=0.02))
+    async with HandoffClient(f"127.0.0.1:{free_port()}", retry=retry, rng=rng) as client:
+        with pytest.raises(UnavailableError):
+            async with asyncio.timeout(TIMEOUT_S):
+                await client.report_outcome(str(uuid.uuid4()), 0, Outcome(OutcomeKind.NOOP))
+    assert rng.draws == 3  # one backoff draw per failure; the third failure is final
+
+
+async def test_start_handoff_is_never_retried() -> None:
+    # A lost answer to a start that did happen would turn into ALREADY_EXISTS on a retry.
+    rng = CountingRandom()
+    async with HandoffClient(f"127.0.0.1:{free_port()}", rng=rng) as client:
+        with pytest.raises(UnavailableError):
+            async with asyncio.timeout(TIMEOUT_S):
+                await start_vllm(client)
+    assert rng.draws == 1  # drawn for the first failure, then not used
+
+
+if TYPE_CHECKING:
+    GenericHandler = grpc.GenericRpcHandler[bytes, bytes]
+else:  # generic in the type stubs only
+    GenericHandler = grpc.GenericRpcHandler
+
+
+class HeaderRecorder(GenericHandler):
+    """Records each call's method and authorization header, then answers UNIMPLEMENTED.
+
+    It stands in for the coordinator where the coordinator cannot show what
+    it received: until the server checks tokens, and for TLS handshakes.
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | bytes | None]] = []
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> None:
+        headers = dict(handler_call_details.invocation_metadata)
+        self.seen.append((handler_call_details.method, headers.get("authorization")))
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[tuple[HeaderRecorder, grpc.aio.Server]]:
+    """The recorder and its server, not started: each test adds the port it needs."""
+    handler = HeaderRecorder()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    yield handler, server
+    await server.stop(None)
+
+
+async def test_token_goes_with_every_call(
+    recorder: tuple[HeaderRecorder, grpc.aio.Server],
+) -> None:
+    handler, server = recorder
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    handoff_id = str(uuid.uuid4())
+    async with HandoffClient(f"127.0.0.1:{port}", token="s3cret") as client:
+        async with asyncio.timeout(TIMEOUT_S):
+            calls = [
+                start_vllm(client, handoff_id),
+                client.report_fact(handoff_id, Canceled("test")),
+                client.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED)),
+                client.get_handoff(handoff_id),
+                anext(client.stream_actions("prefill-0")),
+            ]
+            for call in calls:
+                with pytest.raises(UnimplementedError):
+                    await call
+    methods = {method.rsplit("/", 1)[1] for method, _ in handler.seen}
+    assert methods == {"StartHandoff", "ReportFact", "ReportOutcome", "GetHandoff", "StreamActions"}
+    assert {token for _, token in handler.seen} == {"Bearer s3cret"}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made by openssl."""
+    folder = tmp_path_factory.mktemp("pki")
+    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
+
+    def openssl(command: str) -> None:
+        subprocess.run(["openssl", *command.split()], cwd=folder, check=True, capture_output=True)
+
+    openssl(f"req -x509 {new_key} -keyout ca.key -out ca.pem -days 2 -subj /CN=test-ca")
+    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        openssl(f"req {new_key} -keyout {name}.key -out {name}.csr -subj /CN=test-{name}")
+        openssl(
+            f"x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
+            f"-extfile san.ext -out {name}.pem"
+        )
+    return folder
+
+
+async def test_mutual_tls_with_certificates_as_paths_or_bytes(
+    pki: Path, recorder: tuple[HeaderRecorder, grpc.aio.Server]
+) -> None:
+    handler, server = recorder
+    credentials = grpc.ssl_server_credentials(
+        [((pki / "server.key").read_bytes(), (pki / "server.pem").read_bytes())],
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        require_client_auth=True,
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    target = f"127.0.0.1:{port}"
+    handoff_id = str(uuid.uuid4())
+    async with HandoffClient(
+        target,
+        tls_root_cert=pki / "ca.pem",  # a path
+        tls_client_cert=(pki / "client.pem").read_bytes(),  # PEM bytes
+        tls_client_key=str(pki / "client.key"),  # a path as str
+        token="s3cret",
+    ) as client:
+        with pytest.raises(UnimplementedError):  # through the handshake, to the handler
+            async with asyncio.timeout(TIMEOUT_S):
+                await client.get_handoff(handoff_id)
+    assert handler.seen == [("/handoff.v1.HandoffCoordinator/GetHandoff", "Bearer s3cret")]
+    one_try = RetryPolicy(max_attempts=1)
+    async with (
+        HandoffClient(target, tls_root_cert=pki / "ca.pem", retry=one_try) as no_client_cert,
+        HandoffClient(target, retry=one_try) as plaintext,
+    ):
+        for refused in (no_client_cert, plaintext):
+            with pytest.raises(UnavailableError):
+                async with asyncio.timeout(TIMEOUT_S):
+                    await refused.get_handoff(handoff_id)
+    assert len(handler.seen) == 1
+
+
+def test_security_options() -> None:
+    assert ChannelSecurity.from_options(
+        tls=None, tls_root_cert=None, tls_client_cert=None, tls_client_key=None, token="s3cret"
+    ).metadata() == (("authorization", "Bearer s3cret"),)
+    implied = ChannelSecurity.from_options(
+        tls=None, tls_root_cert=b"PEM", tls_client_cert=None, tls_client_key=None, token=None
+    )
+    assert implied.tls
+    assert implied.root_cert == b"PEM"
+    assert implied.metadata() == ()
+    with pytest.raises(ValueError, match="go together"):
+        ChannelSecurity.from_options(
+            tls=True, tls_root_cert=None, tls_client_cert=b"c", tls_client_key=None, token=None
+        )
+    with pytest.raises(ValueError, match="tls=False"):
+        ChannelSecurity.from_options(
+            tls=False, tls_root_cert=b"r", tls_client_cert=None, tls_client_key=None, token=None
+        )
+    with pytest.raises(ValueError, match="single line"):
+        ChannelSecurity.from_options(
+            tls=None, tls_root_cert=None, tls_client_cert=None, tls_client_key=None, token="a\nb"
+        )
+
+
+def test_every_status_has_its_exception() -> None:
+    from handoff_client import errors
+
+    for code in grpc.StatusCode:
+        if code is grpc.StatusCode.OK:
+            continue
+        classes = [
+            cls
+            for cls in vars(errors).values()
+            if isinstance(cls, type) and issubclass(cls, HandoffRpcError) and cls.code is code
+        ]
+        assert len(classes) == (2 if code is grpc.StatusCode.UNKNOWN else 1), code
