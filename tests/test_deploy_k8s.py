@@ -151,6 +151,9 @@ def test_commented_security_settings_point_at_the_mounted_secrets() -> None:
         assert mount["readOnly"] is True
         secret = volumes[mount["name"]]["secret"]
         assert secret["optional"] is True, "the pod must start without the Secret"
+    unknown = [n for n, _ in commented if n.removeprefix("HANDOFF_").lower() not in SETTINGS]
+    if unknown:  # the server's security settings have not landed yet
+        pytest.skip(f"not yet settings of handoff serve: {', '.join(unknown)}")
 
 
 def test_ports_agree_everywhere() -> None:
