@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -41,3 +42,47 @@ async def start_server() -> AsyncIterator[StartServer]:
 async def server(start_server: StartServer) -> Server:
     """One real server with default settings."""
     return await start_server()
+
+
+# --- SDK, sidecar and simulator tests -------------------------------------------
+
+# Let a channel whose server was down try again soon (gRPC's default waits 1 s).
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200))
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (for a server to come later, or never)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+async def start_lean_server() -> AsyncIterator[StartServer]:
+    """Like ``start_server``, without a metrics endpoint (stopping one takes 0.5 s).
+
+    Any setting can be overridden, the port included.
+    """
+    servers: list[Server] = []
+
+    async def start(**overrides: Any) -> Server:
+        defaults: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "metrics_port": -1,
+            "drain_grace_s": 0.1,
+        }
+        server = Server(Settings(**(defaults | overrides)))
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+async def lean_server(start_lean_server: StartServer) -> Server:
+    return await start_lean_server()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
@@ -42,12 +41,9 @@ from handoff_client.errors import (
     UnimplementedError,
 )
 from handoff_server.app import Server
-from handoff_server.config import Settings
-from tests.conftest import StartServer
+from tests.conftest import FAST_RECONNECT, StartServer, free_port
 
 TIMEOUT_S = 10.0
-# Let a channel whose server was down try again quickly (gRPC's default waits 1 s).
-FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 200))
 
 
 class CountingRandom(random.Random):
@@ -64,16 +60,9 @@ class CountingRandom(random.Random):
         return super().uniform(a, b)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture
-async def client(server: Server) -> AsyncIterator[HandoffClient]:
-    async with HandoffClient(f"127.0.0.1:{server.port}", timeout_s=TIMEOUT_S) as client:
+async def client(lean_server: Server) -> AsyncIterator[HandoffClient]:
+    async with HandoffClient(f"127.0.0.1:{lean_server.port}", timeout_s=TIMEOUT_S) as client:
         yield client
 
 
@@ -152,15 +141,17 @@ async def test_each_refusal_raises_its_own_exception(client: HandoffClient) -> N
     assert update.handoff.phase is Phase.ACTIVE
 
 
-async def test_admission_limit_is_resource_exhausted(start_server: StartServer) -> None:
-    server = await start_server(max_active_handoffs=1)
+async def test_admission_limit_is_resource_exhausted(start_lean_server: StartServer) -> None:
+    server = await start_lean_server(max_active_handoffs=1)
     async with HandoffClient(f"127.0.0.1:{server.port}") as client, asyncio.timeout(TIMEOUT_S):
         await start_vllm(client)
         with pytest.raises(ResourceExhaustedError):
             await start_vllm(client)
 
 
-async def test_idempotent_calls_retry_until_the_server_is_up() -> None:
+async def test_idempotent_calls_retry_until_the_server_is_up(
+    start_lean_server: StartServer,
+) -> None:
     port = free_port()
     rng = CountingRandom()
     retry = RetryPolicy(max_attempts=200, backoff=Backoff(initial_s=0.01, max_s=0.05))
@@ -170,15 +161,9 @@ async def test_idempotent_calls_retry_until_the_server_is_up() -> None:
         lookup = asyncio.create_task(client.get_handoff(str(uuid.uuid4())))
         async with asyncio.timeout(TIMEOUT_S):
             await rng.drawn.wait()  # the first attempt failed and a retry is scheduled
-            server = Server(
-                Settings(host="127.0.0.1", port=port, metrics_port=-1, drain_grace_s=0.1)
-            )
-            await server.start()
-            try:
-                with pytest.raises(NotFoundError):  # it reached the server
-                    await lookup
-            finally:
-                await server.stop()
+            await start_lean_server(port=port)
+            with pytest.raises(NotFoundError):  # it reached the server
+                await lookup
     assert rng.draws >= 1
 
 

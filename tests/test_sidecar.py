@@ -1,0 +1,439 @@
+"""EngineSidecar against a real server: handlers, ordering, cache, reconnects, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from handoff_client import (
+    Action,
+    ActionKind,
+    Backoff,
+    Completion,
+    EngineSidecar,
+    EngineType,
+    Fact,
+    Facts,
+    HandoffClient,
+    LifecycleEventKind,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    Role,
+    SidecarTransport,
+    TimingMode,
+    TransferTiming,
+    UnaryTransport,
+)
+from handoff_server.app import Server
+from handoff_server.config import Settings
+from tests.conftest import FAST_RECONNECT, StartServer, free_port
+
+TIMEOUT_S = 10.0
+SOURCE, DESTINATION = "prefill-0", "decode-0"
+QUICK = Backoff(initial_s=0.01, max_s=0.1)
+
+Handler = Callable[[Action, Facts], Awaitable[Outcome]]
+
+
+class ScriptedEngine:
+    """A healthy engine that reports its facts at once; a test replaces handlers by kind."""
+
+    def __init__(self) -> None:
+        self.calls: list[Action] = []
+        self.notices: defaultdict[str, asyncio.Queue[Action]] = defaultdict(asyncio.Queue)
+        self.overrides: dict[ActionKind, Handler] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def count(self, kind: ActionKind) -> int:
+        return sum(1 for action in self.calls if action.kind is kind)
+
+    def later(self, report: Coroutine[Any, Any, None]) -> None:
+        """Report a fact after the handler returns, as an engine's own work would."""
+        task = asyncio.create_task(report)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, action: Action, facts: Facts, default: Handler) -> Outcome:
+        self.calls.append(action)
+        return await self.overrides.get(action.kind, default)(action, facts)
+
+    # The healthy answers, which overrides can fall back on.
+
+    async def held(self, action: Action, facts: Facts) -> Outcome:
+        timing = TransferTiming(TimingMode.FULL_PROMPT, 512, 131072, 50.0)
+        self.later(facts.source_held(action.handoff_id, timing))
+        return Outcome(OutcomeKind.SUBMITTED)
+
+    async def reserved(self, action: Action, facts: Facts) -> Outcome:
+        self.later(facts.destination_reserved(action.handoff_id, 512))
+        return Outcome(OutcomeKind.ACCEPTED)
+
+    async def moved(self, action: Action, facts: Facts) -> Outcome:
+        self.later(facts.transfer_completed(action.handoff_id))
+        return Outcome(OutcomeKind.SCHEDULED)
+
+    # The Engine protocol.
+
+    async def submit_prefill(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, self.held)
+
+    async def reserve_destination(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, self.reserved)
+
+    async def start_transfer(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, self.moved)
+
+    async def activate_destination(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, applied)
+
+    async def release_source(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, applied)
+
+    async def cancel_source(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, applied)
+
+    async def cancel_destination(self, action: Action, facts: Facts) -> Outcome:
+        return await self._run(action, facts, applied)
+
+    async def complete(self, action: Action) -> None:
+        self.notices[action.handoff_id].put_nowait(action)
+
+
+async def applied(action: Action, facts: Facts) -> Outcome:
+    return Outcome(OutcomeKind.APPLIED)
+
+
+class WatchedTransport:
+    """The real transport, plus hooks a test can wait on.
+
+    ``hold_first_outcome`` keeps the first outcome report from reaching the
+    server until ``release`` is set, so the action stays outstanding.
+    ``redelivered`` is set once the sidecar has dispatched an action with
+    attempt > 1 (the code after a yield runs when the consumer asks for more).
+    """
+
+    def __init__(self, inner: SidecarTransport, *, hold_first_outcome: bool = False) -> None:
+        self.inner = inner
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
+        self.redelivered = asyncio.Event()
+        self.yielded: defaultdict[ActionKind, int] = defaultdict(int)
+        self.yielded_event: dict[tuple[ActionKind, int], asyncio.Event] = defaultdict(asyncio.Event)
+        self._hold = hold_first_outcome
+
+    def subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        return self._subscribe(engine_id, on_subscribed)
+
+    async def _subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        async with contextlib.aclosing(self.inner.subscribe(engine_id, on_subscribed)) as actions:
+            async for action in actions:
+                self.yielded[action.kind] += 1
+                self.yielded_event[(action.kind, self.yielded[action.kind])].set()
+                yield action
+                if action.attempt > 1:
+                    self.redelivered.set()
+
+    async def report_fact(self, handoff_id: str, fact: Fact) -> None:
+        await self.inner.report_fact(handoff_id, fact)
+
+    async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
+        if self._hold:
+            self._hold = False
+            self.holding.set()
+            await self.release.wait()
+        await self.inner.report_outcome(handoff_id, action_id, outcome)
+
+
+@contextlib.asynccontextmanager
+async def running(
+    connection: HandoffClient | SidecarTransport,
+    engine_id: str,
+    engine: ScriptedEngine,
+    **options: Any,
+) -> AsyncIterator[EngineSidecar]:
+    sidecar = EngineSidecar(connection, engine_id, engine, reconnect_backoff=QUICK, **options)
+    async with sidecar:
+        async with asyncio.timeout(TIMEOUT_S):
+            await sidecar.wait_subscribed()
+        yield sidecar
+
+
+@pytest.fixture
+async def client(lean_server: Server) -> AsyncIterator[HandoffClient]:
+    async with HandoffClient(f"127.0.0.1:{lean_server.port}", timeout_s=TIMEOUT_S) as client:
+        yield client
+
+
+async def start(client: HandoffClient, stack: EngineType = EngineType.VLLM) -> str:
+    handoff_id = str(uuid.uuid4())
+    await client.start_handoff(
+        handoff_id,
+        engine_type=stack,
+        source_engine_id=SOURCE,
+        destination_engine_id=DESTINATION,
+        # vLLM's decode pulls the KV; SGLang's prefill pushes it.
+        transfer_executor=Role.DESTINATION if stack is EngineType.VLLM else Role.SOURCE,
+    )
+    return handoff_id
+
+
+@pytest.mark.parametrize("stack", [EngineType.VLLM, EngineType.SGLANG])
+async def test_both_orders_run_to_success(client: HandoffClient, stack: EngineType) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode) as d:
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client, stack)
+            await decode.notices[handoff_id].get()
+            handoff = await client.get_handoff(handoff_id)
+    assert handoff.completion is Completion.SUCCESS
+    expected = (
+        ["SOURCE_HELD", "DESTINATION_ACCEPTED", "DESTINATION_RESERVED"]
+        if stack is EngineType.VLLM
+        else ["DESTINATION_ACCEPTED", "DESTINATION_RESERVED", "SOURCE_HELD"]
+    ) + ["DESTINATION_ACTIVATED", "SOURCE_RELEASED", "COMPLETED"]
+    # Every fact was accepted first time: each followed its action's outcome.
+    assert [event.kind.name for event in handoff.lifecycle] == expected
+    transfer_on_decode = stack is EngineType.VLLM
+    assert [a.kind for a in prefill.calls] == [ActionKind.SUBMIT_PREFILL] + (
+        [] if transfer_on_decode else [ActionKind.START_TRANSFER]
+    ) + [ActionKind.RELEASE_SOURCE]
+    assert [a.kind for a in decode.calls] == [ActionKind.RESERVE_DESTINATION] + (
+        [ActionKind.START_TRANSFER] if transfer_on_decode else []
+    ) + [ActionKind.ACTIVATE_DESTINATION]
+    assert d.stats.handlers_run == len(decode.calls)
+    assert d.stats.reports_rejected == d.stats.handler_errors == 0
+
+
+async def test_cancel_during_decode_reopens_and_cancels_the_destination(
+    client: HandoffClient,
+) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode):
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client)
+            await decode.notices[handoff_id].get()
+            reopened = await client.cancel(handoff_id, "user closed the tab")
+            await decode.notices[handoff_id].get()
+            handoff = await client.get_handoff(handoff_id)
+    assert reopened.handoff.phase is Phase.CLEANING_UP
+    assert decode.count(ActionKind.CANCEL_DESTINATION) == 1
+    assert handoff.completion is Completion.CANCELED
+    completions = [e for e in handoff.lifecycle if e.kind is LifecycleEventKind.COMPLETED]
+    assert len(completions) == 2
+
+
+async def test_a_redelivered_action_is_answered_from_the_cache(client: HandoffClient) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+    watched = WatchedTransport(UnaryTransport(client), hold_first_outcome=True)
+    async with running(client, SOURCE, prefill), running(watched, DESTINATION, decode) as d:
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client)
+            await watched.holding.wait()  # ReserveDestination ran; its ACCEPTED is held back
+            await replace_subscription(client, DESTINATION)  # the sidecar's stream ends
+            await watched.redelivered.wait()  # ... it resubscribed and got the action again
+            watched.release.set()
+            await decode.notices[handoff_id].get()
+            handoff = await client.get_handoff(handoff_id)
+    assert handoff.completion is Completion.SUCCESS
+    assert decode.count(ActionKind.RESERVE_DESTINATION) == 1  # the handler ran once
+    assert d.stats.answered_from_cache == 1
+    assert d.stats.reconnects >= 1
+
+
+async def test_a_redelivery_while_the_handler_runs_is_ignored(client: HandoffClient) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+    entered, finish = asyncio.Event(), asyncio.Event()
+
+    async def slow_reserve(action: Action, facts: Facts) -> Outcome:
+        entered.set()
+        await finish.wait()
+        return await decode.reserved(action, facts)
+
+    decode.overrides[ActionKind.RESERVE_DESTINATION] = slow_reserve
+    watched = WatchedTransport(UnaryTransport(client))
+    async with running(client, SOURCE, prefill), running(watched, DESTINATION, decode) as d:
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client)
+            await entered.wait()
+            await replace_subscription(client, DESTINATION)
+            await watched.redelivered.wait()
+            finish.set()
+            await decode.notices[handoff_id].get()
+    assert decode.count(ActionKind.RESERVE_DESTINATION) == 1
+    assert d.stats.ignored_while_running == 1
+    assert d.stats.answered_from_cache == 0
+
+
+async def replace_subscription(client: HandoffClient, engine_id: str) -> None:
+    """Subscribe as ``engine_id`` and leave: the sidecar's stream is replaced and ends."""
+    subscribed = asyncio.Event()
+    intruder = client.stream_actions(engine_id, on_subscribed=subscribed.set)
+    reading = asyncio.create_task(anext(intruder))
+    await subscribed.wait()
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    await intruder.aclose()
+
+
+async def test_sidecars_reconnect_to_a_restarted_server() -> None:
+    port = free_port()
+    settings = Settings(host="127.0.0.1", port=port, metrics_port=-1, drain_grace_s=0.1)
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+    first = Server(settings)
+    await first.start()
+    async with (
+        HandoffClient(f"127.0.0.1:{port}", channel_options=FAST_RECONNECT) as client,
+        running(client, SOURCE, prefill) as p,
+        running(client, DESTINATION, decode) as d,
+    ):
+        await first.stop()
+        second = Server(settings)
+        await second.start()
+        try:
+            async with asyncio.timeout(TIMEOUT_S):
+                handoff_id = await start(client)  # the actions wait for the engines
+                await decode.notices[handoff_id].get()
+                handoff = await client.get_handoff(handoff_id)
+        finally:
+            await second.stop()
+    assert handoff.completion is Completion.SUCCESS
+    assert p.stats.reconnects >= 1
+    assert d.stats.reconnects >= 1
+
+
+async def test_a_handler_that_raises_fails_its_action(client: HandoffClient) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+
+    async def broken(action: Action, facts: Facts) -> Outcome:
+        raise RuntimeError("CUDA error: out of memory")
+
+    decode.overrides[ActionKind.RESERVE_DESTINATION] = broken
+    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode) as d:
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client)
+            await decode.notices[handoff_id].get()
+            handoff = await client.get_handoff(handoff_id)
+    assert handoff.completion is Completion.CANCELED
+    assert d.stats.handler_errors == 1
+    assert prefill.count(ActionKind.CANCEL_SOURCE) == 1
+    assert decode.count(ActionKind.CANCEL_DESTINATION) == 1
+
+
+async def test_a_cleanup_handler_that_raises_runs_again_on_redelivery(
+    start_lean_server: StartServer,
+) -> None:
+    server = await start_lean_server(cleanup_redelivery_s=0.05)
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+
+    async def refused(action: Action, facts: Facts) -> Outcome:
+        return Outcome.failed("prompt too long")
+
+    async def flaky_cancel(action: Action, facts: Facts) -> Outcome:
+        if prefill.count(ActionKind.CANCEL_SOURCE) == 1:
+            raise RuntimeError("engine busy")
+        return Outcome(OutcomeKind.APPLIED)
+
+    prefill.overrides[ActionKind.SUBMIT_PREFILL] = refused
+    prefill.overrides[ActionKind.CANCEL_SOURCE] = flaky_cancel
+    async with (
+        HandoffClient(f"127.0.0.1:{server.port}") as client,
+        running(client, SOURCE, prefill) as p,
+        running(client, DESTINATION, decode),
+    ):
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client)
+            await prefill.notices[handoff_id].get()
+            handoff = await client.get_handoff(handoff_id)
+    assert handoff.completion is Completion.CANCELED
+    assert prefill.count(ActionKind.CANCEL_SOURCE) == 2  # unacknowledged, then redelivered
+    assert p.stats.handler_errors == 1
+
+
+@pytest.mark.parametrize("terminal", ["failed", "canceled"])
+async def test_engine_reported_terminal_facts_start_cleanup(
+    client: HandoffClient, terminal: str
+) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+
+    async def reserve_then_break(action: Action, facts: Facts) -> Outcome:
+        report = facts.failed if terminal == "failed" else facts.canceled
+        decode.later(report(action.handoff_id, "decode engine draining"))
+        return Outcome(OutcomeKind.ACCEPTED)
+
+    decode.overrides[ActionKind.RESERVE_DESTINATION] = reserve_then_break
+    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode):
+        async with asyncio.timeout(TIMEOUT_S):
+            handoff_id = await start(client)
+            await decode.notices[handoff_id].get()
+            handoff = await client.get_handoff(handoff_id)
+    assert handoff.completion is Completion.CANCELED
+    assert decode.count(ActionKind.CANCEL_DESTINATION) == 1
+
+
+async def test_handlers_run_at_most_max_concurrency_at_once(client: HandoffClient) -> None:
+    prefill, decode = ScriptedEngine(), ScriptedEngine()
+    active = peak = 0
+    two_in, gate = asyncio.Event(), asyncio.Event()
+
+    async def gated_submit(action: Action, facts: Facts) -> Outcome:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        if active == 2:
+            two_in.set()
+        await gate.wait()
+        active -= 1
+        return await prefill.held(action, facts)
+
+    prefill.overrides[ActionKind.SUBMIT_PREFILL] = gated_submit
+    watched = WatchedTransport(UnaryTransport(client))
+    async with running(client, DESTINATION, decode), asyncio.timeout(TIMEOUT_S):
+        # Started before the prefill sidecar subscribes: the four actions queue
+        # on the server and arrive together.
+        handoff_ids = [await start(client) for _ in range(4)]
+        async with running(watched, SOURCE, prefill, max_concurrency=2):
+            await two_in.wait()
+            # A third action was read from the stream; a sidecar without a
+            # bound would start its handler before the gate opens.
+            await watched.yielded_event[(ActionKind.SUBMIT_PREFILL, 3)].wait()
+            gate.set()
+            for handoff_id in handoff_ids:
+                await decode.notices[handoff_id].get()
+    assert peak == 2
+    assert prefill.count(ActionKind.SUBMIT_PREFILL) == 4
+
+
+async def test_stop_cancels_handlers_still_running_after_the_grace(
+    client: HandoffClient,
+) -> None:
+    prefill = ScriptedEngine()
+    entered, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def stuck(action: Action, facts: Facts) -> Outcome:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        raise AssertionError("unreachable")
+
+    prefill.overrides[ActionKind.SUBMIT_PREFILL] = stuck
+    sidecar = EngineSidecar(client, SOURCE, prefill, stop_grace_s=0.05)
+    sidecar.start()
+    async with asyncio.timeout(TIMEOUT_S):
+        await start(client)
+        await entered.wait()
+        await sidecar.stop()
+    assert cancelled.is_set()
