@@ -51,8 +51,13 @@ def run(args: argparse.Namespace) -> int:
     log_path = options.log_to_file(args.log_file)
     host = args.target.rsplit(":", 1)[0]
     metrics_url = args.metrics_url or f"http://{host}:9464/metrics"
-    ok = asyncio.run(_sim(args, config, metrics_url))
-    print(f"logs: {log_path}")
+    try:
+        ok = asyncio.run(_sim(args, config, metrics_url))
+    except ConnectionError as error:
+        print(f"handoff sim: {args.target}: {error}", file=sys.stderr)
+        return 1
+    finally:
+        print(f"logs: {log_path}")
     return 0 if ok else 1
 
 

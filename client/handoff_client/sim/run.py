@@ -40,7 +40,10 @@ class SimResult:
 async def simulate(
     client: HandoffClient, config: SimConfig, progress_to: TextIO | None = None
 ) -> SimResult:
-    """Run ``config`` against the server behind ``client``, drawing progress on ``progress_to``."""
+    """Run ``config`` against the server behind ``client``, drawing progress on ``progress_to``.
+
+    Raises ConnectionError when the engines cannot subscribe to the server.
+    """
     loop = asyncio.get_running_loop()
     rng = random.Random(config.seed)
     book = RequestBook()
@@ -55,8 +58,14 @@ async def simulate(
             duration_s=config.load.duration_s,
             max_handoffs=config.load.max_handoffs,
         )
-    async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
-        await cluster.start()
+    try:
+        async with asyncio.timeout(SUBSCRIBE_TIMEOUT_S):
+            await cluster.start()
+    except TimeoutError:
+        await cluster.stop()
+        raise ConnectionError(
+            f"the engines could not subscribe within {SUBSCRIBE_TIMEOUT_S:.0f} s"
+        ) from None
     began = loop.time()
     background = [asyncio.create_task(_kill_doomed(cluster, config))]
     if progress is not None:

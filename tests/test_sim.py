@@ -1,0 +1,225 @@
+"""The simulator: every fault at small scale against a real server, and its parts."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from datetime import UTC, datetime
+
+import pytest
+
+from handoff_client import (
+    Completion,
+    EngineType,
+    Handoff,
+    HandoffClient,
+    LifecycleEvent,
+    LifecycleEventKind,
+    Order,
+    Phase,
+    Role,
+)
+from handoff_client.sidecar import SidecarStats
+from handoff_client.sim.cluster import Cluster
+from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
+from handoff_client.sim.frontend import Counters, Journey
+from handoff_client.sim.leaks import LeakCheck, PoolLeak, check_leaks
+from handoff_client.sim.pool import KvBlockPool
+from handoff_client.sim.report import percentile, render
+from handoff_client.sim.run import SimResult, simulate
+from handoff_client.sim.scrape import scrape
+from handoff_client.sim.workload import RequestBook
+from tests.conftest import StartServer, free_port
+
+TIMEOUT_S = 60.0
+
+EVERY_FAULT = SimConfig(
+    prefill_engines=1,
+    decode_engines=2,  # the dead engine is a decode engine; its stack keeps one
+    load=LoadProfile(
+        rate=40.0,
+        concurrency=16,
+        duration_s=3.0,
+        prompt_median_tokens=512,
+        output_max_tokens=64,
+        cancel_fraction=0.1,
+        cancel_after_success_fraction=0.1,
+        handoff_timeout_s=10.0,
+    ),
+    faults=FaultProfile(
+        action_failure_rate=0.1,
+        stream_drop_every_s=1.0,
+        blackout_s=0.1,
+        dead_engines=1,
+        dead_at_fraction=0.3,
+        dead_detection_s=0.5,
+        slow_engines=1,
+        slow_factor=3.0,
+    ),
+    time_scale=0.5,
+    settle_timeout_s=15.0,
+    seed=11,
+)
+
+
+async def test_every_fault_at_small_scale_leaks_nothing(start_server: StartServer) -> None:
+    # Short server timers: the dead engine is noticed and its handoffs abandoned in time.
+    server = await start_server(
+        delivery_timeout_s=0.5, cleanup_timeout_s=1.0, cleanup_redelivery_s=0.1
+    )
+    async with (
+        HandoffClient(f"127.0.0.1:{server.port}") as client,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        result = await simulate(client, EVERY_FAULT)
+        metrics = await scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    leaks, counters = result.leaks, result.counters
+    assert leaks.leaks == ()
+    assert leaks.stuck == ()
+    assert leaks.lost == ()
+    assert result.ok
+    # Every fault really happened.
+    assert result.injected_failures > 0
+    assert result.stream_drops > 0
+    assert len(result.killed) == 1
+    assert len(result.slow) == 1
+    # Every handoff finished: COMPLETE, or abandoned because an engine of its died.
+    assert counters.started == len(result.journeys) > 50
+    assert counters.refused == 0
+    for journey in result.journeys:
+        assert journey.finished
+        if journey.final is None:
+            assert result.killed[0] in (journey.source_engine_id, journey.destination_engine_id)
+        else:
+            assert journey.final.phase is Phase.COMPLETE
+    assert counters.success > 0
+    assert counters.canceled > 0
+    assert any(j.canceled_in_decode for j in result.journeys)
+    # The server counted the same handoffs.
+    completed = metrics.by_label("handoff_completed_total", "result")
+    reopened = metrics.total("handoff_reopened_total")
+    assert metrics.total("handoff_started_total") == counters.started
+    assert completed["success"] == counters.success + reopened
+    assert completed["canceled"] == counters.canceled
+    assert metrics.total("handoff_abandoned_total") == counters.abandoned
+    assert metrics.by_label("handoff_handoffs", "phase")["active"] == 0
+    assert metrics.by_label("handoff_handoffs", "phase")["cleaning_up"] == 0
+    assert "leaked: 0 blocks" in render(result, metrics)
+
+
+def test_a_pool_gives_back_exactly_what_it_took() -> None:
+    pool = KvBlockPool(capacity=10, block_size=16)
+    assert pool.allocate("a", 100)  # 7 blocks
+    assert pool.allocate("a", 100)  # a second run of a handler takes nothing more
+    assert pool.used == 7
+    assert not pool.allocate("b", 64)  # 4 blocks do not fit in 3; nothing taken
+    assert pool.holders() == {"a": 7}
+    assert pool.release("a")
+    assert not pool.release("a")
+    assert pool.free == pool.capacity
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert [percentile(values, q) for q in (50, 95, 99, 100)] == [50.0, 95.0, 99.0, 100.0]
+    assert percentile([3.0], 99) == 3.0
+
+
+def handoff(completion: Completion | None) -> Handoff:
+    now = datetime.now(UTC)
+    return Handoff(
+        handoff_id="h",
+        order=Order.SOURCE_FIRST,
+        phase=Phase.COMPLETE if completion else Phase.CLEANING_UP,
+        completion=completion,
+        source_engine_id="vllm-prefill-0",
+        destination_engine_id="vllm-decode-0",
+        transfer_executor=Role.SOURCE,
+        outstanding_actions=(),
+        lifecycle=(LifecycleEvent(LifecycleEventKind.COMPLETED, now),) if completion else (),
+        deadline=None,
+        started_at=now,
+        completed_at=now if completion else None,
+        fallback_transfer_delay_ms=0.0,
+    )
+
+
+def journey(handoff_id: str, final: Handoff | None, *, finished: bool = True) -> Journey:
+    return Journey(
+        handoff_id,
+        EngineType.VLLM,
+        "vllm-prefill-0",
+        "vllm-decode-0",
+        canceled_in_flight=False,
+        canceled_in_decode=False,
+        final=final,
+        finished=finished,
+    )
+
+
+async def test_the_leak_check_finds_held_blocks_and_unfinished_handoffs() -> None:
+    config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)))
+    async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
+        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+        decode = cluster.routable(EngineType.VLLM, Role.DESTINATION)[0].engine
+        decode.pool.allocate("leaky", 40)
+        journeys = [
+            journey("done", handoff(Completion.SUCCESS)),
+            journey("abandoned", None),  # both its engines are alive: lost
+            journey("stuck", handoff(None), finished=False),
+        ]
+        async with asyncio.timeout(TIMEOUT_S):
+            check = await check_leaks(cluster, journeys, timeout_s=1.0)
+    assert check.leaks == (PoolLeak(decode.engine_id, 3, ("leaky",)),)
+    assert [j.handoff_id for j in check.stuck] == ["stuck"]
+    assert [j.handoff_id for j in check.lost] == ["abandoned"]
+    assert not check.ok
+
+
+def test_a_leak_fails_the_run_and_the_report_says_where() -> None:
+    leaks = LeakCheck(
+        pools_checked=4,
+        leaks=(PoolLeak("vllm-decode-0", 3, ("h",)),),
+        stuck=(),
+        lost=(),
+        abandoned_with_dead_engine=0,
+    )
+    counters = Counters(started=1, finished=1, success=1)
+    result = SimResult(
+        journeys=(journey("h", handoff(Completion.SUCCESS)),),
+        counters=counters,
+        leaks=leaks,
+        load_s=1.0,
+        total_s=1.5,
+        sidecars=SidecarStats(0, 0, 0, 0, 0, 0, 0, 0),
+        stream_drops=0,
+        injected_failures=0,
+        killed=(),
+        slow=(),
+    )
+    text = render(result, "http://127.0.0.1:9/metrics: connection refused")
+    assert not result.ok
+    assert "leaked: 3 blocks" in text
+    assert "FAIL:\n  vllm-decode-0 holds 3 blocks for h" in text
+    assert "unavailable: http://127.0.0.1:9/metrics" in text
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prefill_engines": 0}, "at least one prefill"),
+        ({"load": LoadProfile(duration_s=0)}, "never ends"),
+        ({"load": LoadProfile(cancel_fraction=2.0)}, "cancel_fraction"),
+        ({"faults": FaultProfile(dead_engines=20)}, "more dead and slow engines"),
+    ],
+)
+def test_impossible_configs_are_refused(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SimConfig(**changes)  # type: ignore[arg-type]
+
+
+async def test_a_dead_engine_never_takes_the_last_of_its_role() -> None:
+    config = SimConfig(prefill_engines=1, decode_engines=1, faults=FaultProfile(dead_engines=1))
+    async with HandoffClient(f"127.0.0.1:{free_port()}") as client:
+        with pytest.raises(ValueError, match="keep one of each role"):
+            Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
