@@ -36,7 +36,7 @@ def test_a_short_demo_ends_with_a_clean_summary(tmp_path: Path) -> None:
     assert done.returncode == 0, out + done.stderr
     # Not a terminal: progress comes as whole lines, never redrawn in place.
     assert "\r" not in out
-    assert re.search(r"^\[[#-]+\]\s+\d+%.* load .*started \d+", out, re.MULTILINE)
+    assert re.search(r"^\[[#-]+\]\s+\d+%.* load +\d+ started, \d+ in flight", out, re.MULTILINE)
     assert "leaked: 0 blocks" in out
     assert "stuck: 0" in out
     assert "PASS: every handoff finished" in out

@@ -51,7 +51,7 @@ from handoff_client.transport import SidecarTransport, UnaryTransport
 
 log = logging.getLogger("handoff.sidecar")
 
-MAX_REASON = 1000  # the server takes at most 1 KiB of reason
+MAX_REASON = 1024  # bytes: the server takes at most 1 KiB of reason
 
 
 class Facts:
@@ -143,7 +143,9 @@ class EngineSidecar:
 
     ``connection`` is a :class:`~handoff_client.client.HandoffClient` (the
     sidecar then uses StreamActions and unary reports) or any
-    :class:`~handoff_client.transport.SidecarTransport`.
+    :class:`~handoff_client.transport.SidecarTransport`. Handlers get
+    :attr:`facts`; the engine can also use it outside any handler, e.g. to
+    report a decode that crashed.
     """
 
     def __init__(
@@ -239,6 +241,7 @@ class EngineSidecar:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
+        self._subscribed.clear()
         tasks = set(self._tasks)
         if tasks and grace > 0:
             await asyncio.wait(tasks, timeout=grace)
@@ -336,7 +339,8 @@ class EngineSidecar:
             log.error(problem, extra=self._log_extra(action))
         if action.kind in CLEANUP_KINDS:
             return None
-        return Outcome.failed(problem[:MAX_REASON])
+        # Cut by bytes: the server's limit is on the encoded reason.
+        return Outcome.failed(problem.encode()[:MAX_REASON].decode(errors="ignore"))
 
     async def _notify_complete(self, action: Action) -> None:
         try:

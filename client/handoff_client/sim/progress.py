@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from typing import TextIO
 
 from handoff_client.sim.frontend import Counters
 
-BAR_WIDTH = 24
+BAR_WIDTH = 20
 TTY_INTERVAL_S = 0.2
 LOG_INTERVAL_S = 5.0  # not a terminal (CI, a pipe): no \r, fewer lines
 
@@ -42,6 +43,8 @@ class Progress:
     def draw(self, elapsed_s: float) -> None:
         line = self.line(elapsed_s)
         if self._interactive:
+            # A line that wraps can no longer be redrawn with \r: cut it to fit.
+            line = line[: shutil.get_terminal_size().columns - 1]
             # Pad over the previous line's tail: the line can get shorter.
             self._stream.write("\r" + line.ljust(self._width))
             self._width = len(line)
@@ -65,7 +68,7 @@ class Progress:
         filled = round(done * BAR_WIDTH)
         bar = "#" * filled + "-" * (BAR_WIDTH - filled)
         return (
-            f"[{bar}] {done:4.0%} {elapsed_s:5.1f}s {self.stage:<6} "
-            f"started {c.started}  in flight {c.in_flight}  "
-            f"success {c.success}  canceled {c.canceled}  abandoned {c.abandoned}"
+            f"[{bar}] {done:4.0%} {elapsed_s:5.1f}s {self.stage:<6} {c.started} started, "
+            f"{c.in_flight} in flight, {c.success} success, {c.canceled} canceled, "
+            f"{c.abandoned} abandoned"
         )
