@@ -16,7 +16,9 @@ from prometheus_client import start_http_server
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server import security
 from handoff_server.config import Settings
+from handoff_server.guard import EngineStreams, Guard, grpc_options
 from handoff_server.metrics import Metrics
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
@@ -46,6 +48,7 @@ class Server:
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
+        self.engine_streams = EngineStreams(settings.max_engines)
         self._grpc: grpc.aio.Server | None = None
         self._metrics_server: Callable[[], None] | None = None
         self._timers: asyncio.Task[None] | None = None
@@ -54,7 +57,22 @@ class Server:
 
     async def start(self) -> None:
         settings = self.settings
-        server = grpc.aio.server()
+        # Every file is read before anything binds: a bad one stops the start.
+        credentials = security.server_credentials(settings)
+        tokens = security.load_tokens(settings)
+        identities = security.load_identities(settings)
+        guard = Guard(
+            metrics=self.metrics,
+            streams=self.engine_streams,
+            tokens=tokens,
+            exempt=tuple(p.strip() for p in settings.auth_exempt_methods.split(",") if p.strip()),
+            identities=identities,
+        )
+        server = grpc.aio.server(
+            interceptors=(guard,),
+            options=grpc_options(settings),
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+        )
         pb_grpc.add_HandoffCoordinatorServicer_to_server(
             Servicer(self.registry, self.metrics), server
         )
@@ -67,7 +85,11 @@ class Server:
             ),
             server,
         )
-        self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        if credentials is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC on {settings.host}:{settings.port}")
         await server.start()
@@ -86,13 +108,25 @@ class Server:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._timers = asyncio.create_task(self._run_timers(), name="handoff-timers")
+        transport = (
+            "plaintext"
+            if credentials is None
+            else "mutual TLS"
+            if settings.tls_client_ca
+            else "TLS"
+        )
         log.info(
-            "serving gRPC on %s:%d, metrics on %s:%d",
+            "serving gRPC (%s; %s; %s) on %s:%d, metrics on %s:%d",
+            transport,
+            f"{len(tokens)} bearer tokens" if tokens else "no token required",
+            f"{len(identities)} engine identities" if identities else "engine ids not bound",
             settings.host,
             self.port,
             settings.metrics_host,
             self.metrics_port,
         )
+        if tokens is not None and credentials is None:
+            log.warning("bearer tokens over plaintext can be read by anyone on the network path")
 
     async def _run_timers(self) -> None:
         """Sleep until the registry's next timer (or an earlier one appears), then fire."""

@@ -51,6 +51,62 @@ class Settings:
     )
     log_format: str = _setting("text", "log format", choices=("text", "json"))
     log_level: str = _setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    # --- security (README "Security"); file paths: "" means unset -------------
+    tls_cert: str = _setting(
+        "", "PEM certificate chain; with --tls-key the gRPC port speaks TLS only"
+    )
+    tls_key: str = _setting("", "PEM private key of --tls-cert (unencrypted)")
+    tls_client_ca: str = _setting(
+        "", "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"
+    )
+    token_file: str = _setting(
+        "", "file of accepted bearer tokens, one per line ('#' starts a comment)"
+    )
+    # Not in repr: Settings may be logged, and this holds secrets.
+    tokens: str = field(
+        default="",
+        repr=False,
+        metadata={
+            "help": "accepted bearer tokens, comma-separated; prefer the variable or "
+            "--token-file (a flag is visible in the process list)"
+        },
+    )
+    auth_exempt_methods: str = _setting(
+        "/grpc.health.v1.Health/",
+        "comma-separated gRPC method prefixes callable without a token ('' for none)",
+    )
+    engine_identity_file: str = _setting(
+        "",
+        "JSON object: engine id -> list of client-certificate SANs that may act for it "
+        "(needs --tls-client-ca)",
+    )
+    max_message_bytes: int = _setting(
+        65536, "largest request message accepted, in bytes; larger ones get RESOURCE_EXHAUSTED"
+    )
+    max_concurrent_streams: int = _setting(
+        1000, "calls in flight per client connection (HTTP/2 streams); more wait at the client"
+    )
+    max_concurrent_rpcs: int = _setting(
+        10_000, "calls in flight server-wide, engine streams included; past it RESOURCE_EXHAUSTED"
+    )
+    max_engines: int = _setting(
+        1000, "engines with a live action stream at most; a new engine past it is refused"
+    )
+    keepalive_time_s: float = _setting(
+        20.0, "ping a client connection after this long without traffic (dead-peer detection)"
+    )
+    keepalive_timeout_s: float = _setting(
+        10.0, "close a connection whose keepalive ping is unanswered for this long"
+    )
+    keepalive_min_client_interval_s: float = _setting(
+        10.0, "clients may ping this often at most; faster pingers are disconnected"
+    )
+    max_connection_age_s: float = _setting(
+        3600.0, "close a client connection after this long (clients reconnect); 0 disables"
+    )
+    max_connection_age_grace_s: float = _setting(
+        30.0, "then give its calls this long to finish before they are cut, in seconds"
+    )
 
     def __post_init__(self) -> None:
         for setting in fields(self):
@@ -63,6 +119,29 @@ class Settings:
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        """Combinations that cannot work; the files themselves are read at start."""
+        for name in (
+            "max_message_bytes",
+            "max_concurrent_streams",
+            "max_concurrent_rpcs",
+            "max_engines",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_concurrent_rpcs <= self.max_engines:
+            # Every engine holds a call open; frontends need room besides.
+            raise ValueError("max_concurrent_rpcs must be larger than max_engines")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.engine_identity_file and not self.tls_client_ca:
+            raise ValueError("engine_identity_file needs mutual TLS (tls_client_ca)")
+        if self.keepalive_time_s == 0 or self.keepalive_timeout_s == 0:
+            raise ValueError("keepalive_time_s and keepalive_timeout_s must be > 0")
 
 
 def _parser(default: object) -> Any:

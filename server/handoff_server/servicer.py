@@ -18,7 +18,7 @@ import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import convert
+from handoff_server import convert, security
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument
 from handoff_server.registry import CallResult, Dispatch, Registry, Subscription
@@ -123,7 +123,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
 
         def work() -> Answer:
             handoff_id = convert.handoff_id(request.handoff_id)
-            return Answer.of(self.registry.report_fact(handoff_id, convert.fact(request.fact)))
+            fact = convert.fact(request.fact)
+            security.authorize_report(self.registry.get(handoff_id), fact=fact)
+            return Answer.of(self.registry.report_fact(handoff_id, fact))
 
         return self.answer(rpc, subject, work)
 
@@ -140,6 +142,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         def work() -> Answer:
             handoff_id = convert.handoff_id(request.handoff_id)
             outcome = convert.outcome(request.outcome)
+            security.authorize_report(self.registry.get(handoff_id), action_id=request.action_id)
             return Answer.of(self.registry.report_outcome(handoff_id, request.action_id, outcome))
 
         return self.answer(rpc, subject, work)
@@ -153,7 +156,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> AsyncIterator[pb.Action]:
         try:
             engine_id = self.answer(
-                "StreamActions", "stream", lambda: convert.engine_id(request.engine_id)
+                "StreamActions",
+                "stream",
+                lambda: security.authorize_engine(convert.engine_id(request.engine_id)),
             )
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
@@ -267,7 +272,7 @@ class Answer:
 def _hello(request: pb.ConnectRequest | None) -> str:
     if request is None or request.WhichOneof("kind") != "hello":
         raise InvalidArgument("the first Connect message must be a hello naming the engine")
-    return convert.engine_id(request.hello.engine_id, "hello.engine_id")
+    return security.authorize_engine(convert.engine_id(request.hello.engine_id, "hello.engine_id"))
 
 
 def _unexpected_hello() -> None:

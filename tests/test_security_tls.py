@@ -1,0 +1,131 @@
+"""TLS and mutual TLS on a real server, with certificates made at test time."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_client import HandoffClient, RetryPolicy
+from handoff_client.errors import NotFoundError, UnavailableError
+from handoff_server.app import Server
+from handoff_server.config import Settings
+from handoff_server.security import SecurityConfigError
+from tests.conftest import StartServer
+from tests.security_support import Pki, make_pki, secure_channel
+
+TIMEOUT_S = 10.0
+TOKEN = "tls-test-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def reaches_handler(channel: grpc.aio.Channel) -> bool:
+    """True when a call gets through the transport to the coordinator (which
+    answers NOT_FOUND for a random id); False when the transport refuses it."""
+    stub = pb_grpc.HandoffCoordinatorStub(channel)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4())), timeout=5)
+    code = refused.value.code()
+    assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE), refused.value
+    return code is grpc.StatusCode.NOT_FOUND
+
+
+async def test_tls_server_refuses_plaintext_and_serves_tls(
+    start_server: StartServer, pki: Pki
+) -> None:
+    server = await start_server(**pki.tls_settings(mutual=False))
+    async with asyncio.timeout(TIMEOUT_S):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as plaintext:
+            assert not await reaches_handler(plaintext)
+        async with secure_channel(server.port, pki.ca.cert) as tls:
+            assert await reaches_handler(tls)
+        # A client that does not trust the server's CA does not talk to it.
+        async with secure_channel(server.port, pki.rogue_ca.cert) as untrusting:
+            assert not await reaches_handler(untrusting)
+    assert server.registry.handoffs == {}
+
+
+async def test_mutual_tls_refuses_missing_and_foreign_client_certificates(
+    start_server: StartServer, pki: Pki
+) -> None:
+    server = await start_server(**pki.tls_settings(mutual=True))
+    async with asyncio.timeout(TIMEOUT_S):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as plaintext:
+            assert not await reaches_handler(plaintext)
+        async with secure_channel(server.port, pki.ca.cert) as without_certificate:
+            assert not await reaches_handler(without_certificate)
+        async with secure_channel(server.port, pki.ca.cert, pki.rogue_client) as foreign:
+            assert not await reaches_handler(foreign)
+        async with secure_channel(server.port, pki.ca.cert, pki.client) as trusted:
+            assert await reaches_handler(trusted)
+            # Health is served on the same TLS port.
+            health = health_pb2_grpc.HealthStub(trusted)
+            answer = await health.Check(health_pb2.HealthCheckRequest())
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_sdk_client_over_mutual_tls_with_a_token(start_server: StartServer, pki: Pki) -> None:
+    server = await start_server(**pki.tls_settings(mutual=True), tokens=TOKEN)
+    target = f"127.0.0.1:{server.port}"
+    one_try = RetryPolicy(max_attempts=1)
+    async with asyncio.timeout(TIMEOUT_S):
+        async with HandoffClient(
+            target,
+            tls_root_cert=pki.ca.cert_path,
+            tls_client_cert=pki.client.cert_path,
+            tls_client_key=pki.client.key_path,
+            token=TOKEN,
+            retry=one_try,
+        ) as client:
+            with pytest.raises(NotFoundError):
+                await client.get_handoff(str(uuid.uuid4()))
+        async with HandoffClient(
+            target, tls_root_cert=pki.ca.cert_path, token=TOKEN, retry=one_try
+        ) as no_certificate:
+            with pytest.raises(UnavailableError):
+                await no_certificate.get_handoff(str(uuid.uuid4()))
+
+
+def write(folder: Path, name: str, data: bytes) -> str:
+    path = folder / name
+    path.write_bytes(data)
+    return str(path)
+
+
+async def test_unusable_tls_material_stops_the_start(pki: Pki, tmp_path: Path) -> None:
+    base = {"host": "127.0.0.1", "port": 0, "metrics_port": -1}
+    other_key = pki.client.key_path
+    cases = {
+        "missing file": ({"tls_cert": str(tmp_path / "nope.pem")}, "nope.pem"),
+        "key of another certificate": ({"tls_key": str(other_key)}, "tls_key"),
+        "not PEM": ({"tls_cert": write(tmp_path, "junk.pem", b"junk")}, "junk.pem"),
+        "client CA not PEM": (
+            {"tls_client_ca": write(tmp_path, "ca-junk.pem", b"-----BEGIN nothing")},
+            "ca-junk.pem",
+        ),
+    }
+    for case, (override, named) in cases.items():
+        settings = Settings(**base, **(pki.tls_settings(mutual=True) | override))  # type: ignore[arg-type]
+        server = Server(settings)
+        with pytest.raises(SecurityConfigError, match=named):
+            await server.start()
+        assert server.port == 0, case  # nothing was bound
+
+
+def test_tls_settings_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ValueError, match="tls_cert and tls_key go together"):
+        Settings(tls_cert="cert.pem")
+    with pytest.raises(ValueError, match="needs tls_cert"):
+        Settings(tls_client_ca="ca.pem")
+    with pytest.raises(ValueError, match="needs mutual TLS"):
+        Settings(tls_cert="c", tls_key="k", engine_identity_file="ids.json")
