@@ -28,6 +28,10 @@ test: lint
 demo: $(STAMP)
 	$(BIN)/handoff demo
 
+# The service benchmark (bench/service.py): about 20 minutes, 10 of them the soak.
+bench: $(STAMP)
+	$(BIN)/python -m bench.service
+
 stubs: $(STAMP)
 	$(BIN)/python -m handoff_server.stubs --write
 

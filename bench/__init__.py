@@ -1,0 +1,1 @@
+"""Benchmarks: the pure core (core.py) and the running service (service.py)."""

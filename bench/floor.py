@@ -1,0 +1,197 @@
+"""The floor: the coordinator's RPCs with empty handlers, to price gRPC itself.
+
+Every unary handler returns an empty response; Connect echoes a bare ack per
+report. So that the bench's engines (bench/load.py) can run against it
+unchanged, the floor also pushes the actions of a success path, from a fixed
+script keyed by what was reported, instead of running a state machine: one
+dict lookup per message. What the service costs beyond this is coordination.
+
+Run: .venv/bin/python -m bench.floor --port 0   (prints the address it serves)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+import grpc
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+
+SOURCE_FIRST = pb.HANDOFF_ORDER_SOURCE_FIRST
+Message = pb.Action | pb.ConnectResponse
+
+
+class Outlet:
+    """One engine's stream: messages waiting to be written and a wake-up."""
+
+    def __init__(self, wrap: bool) -> None:
+        self.wrap = wrap  # Connect wraps actions in a ConnectResponse
+        self.queue: deque[Message] = deque()
+        self.ready = asyncio.Event()
+
+    def push(self, message: Message) -> None:
+        self.queue.append(message)
+        self.ready.set()
+
+    async def drain(self) -> AsyncIterator[Message]:
+        while True:
+            self.ready.clear()
+            while self.queue:
+                yield self.queue.popleft()
+            await self.ready.wait()
+
+
+class Floor(pb_grpc.HandoffCoordinatorServicer):
+    def __init__(self) -> None:
+        self.outlets: dict[str, Outlet] = {}
+        self.handoffs: dict[str, tuple[int, str, str]] = {}  # id -> order, source, destination
+
+    def _send(
+        self, handoff_id: str, action_id: int, kind: pb.ActionKind.ValueType, engine_id: str
+    ) -> None:
+        outlet = self.outlets.get(engine_id)
+        if outlet is None:
+            return
+        action = pb.Action(
+            handoff_id=handoff_id, id=action_id, kind=kind, attempt=1, engine_id=engine_id
+        )
+        outlet.push(pb.ConnectResponse(action=action) if outlet.wrap else action)
+
+    def _after_fact(self, request: pb.ReportFactRequest) -> None:
+        known = self.handoffs.get(request.handoff_id)
+        if known is None:
+            return
+        order, source, destination = known
+        which = request.fact.WhichOneof("kind")
+        if which == "source_held":
+            if order == SOURCE_FIRST:
+                self._send(request.handoff_id, 1, pb.ACTION_KIND_RESERVE_DESTINATION, destination)
+            else:
+                self._send(request.handoff_id, 2, pb.ACTION_KIND_START_TRANSFER, source)
+        elif which == "destination_reserved":
+            if order == SOURCE_FIRST:
+                self._send(request.handoff_id, 2, pb.ACTION_KIND_START_TRANSFER, source)
+            else:
+                self._send(request.handoff_id, 1, pb.ACTION_KIND_SUBMIT_PREFILL, source)
+        elif which == "transfer_completed":
+            self._send(request.handoff_id, 3, pb.ACTION_KIND_ACTIVATE_DESTINATION, destination)
+
+    def _after_outcome(self, request: pb.ReportOutcomeRequest) -> None:
+        if request.action_id == 3:
+            known = self.handoffs.get(request.handoff_id)
+            if known is not None:
+                self._send(request.handoff_id, 4, pb.ACTION_KIND_RELEASE_SOURCE, known[1])
+        elif request.action_id == 4:
+            known = self.handoffs.pop(request.handoff_id, None)
+            if known is not None:
+                for engine_id in known[1:]:
+                    self._send(request.handoff_id, 5, pb.ACTION_KIND_COMPLETE, engine_id)
+
+    async def StartHandoff(
+        self,
+        request: pb.StartHandoffRequest,
+        context: grpc.aio.ServicerContext[pb.StartHandoffRequest, pb.StartHandoffResponse],
+    ) -> pb.StartHandoffResponse:
+        source, destination = request.source_engine_id, request.destination_engine_id
+        self.handoffs[request.handoff_id] = (request.order, source, destination)
+        if request.order == SOURCE_FIRST:
+            self._send(request.handoff_id, 0, pb.ACTION_KIND_SUBMIT_PREFILL, source)
+        else:
+            self._send(request.handoff_id, 0, pb.ACTION_KIND_RESERVE_DESTINATION, destination)
+        return pb.StartHandoffResponse()
+
+    async def ReportFact(
+        self,
+        request: pb.ReportFactRequest,
+        context: grpc.aio.ServicerContext[pb.ReportFactRequest, pb.ReportFactResponse],
+    ) -> pb.ReportFactResponse:
+        self._after_fact(request)
+        return pb.ReportFactResponse()
+
+    async def ReportOutcome(
+        self,
+        request: pb.ReportOutcomeRequest,
+        context: grpc.aio.ServicerContext[pb.ReportOutcomeRequest, pb.ReportOutcomeResponse],
+    ) -> pb.ReportOutcomeResponse:
+        self._after_outcome(request)
+        return pb.ReportOutcomeResponse()
+
+    async def GetHandoff(
+        self,
+        request: pb.GetHandoffRequest,
+        context: grpc.aio.ServicerContext[pb.GetHandoffRequest, pb.GetHandoffResponse],
+    ) -> pb.GetHandoffResponse:
+        return pb.GetHandoffResponse()
+
+    async def StreamActions(
+        self,
+        request: pb.StreamActionsRequest,
+        context: grpc.aio.ServicerContext[pb.StreamActionsRequest, pb.Action],
+    ) -> AsyncIterator[pb.Action]:
+        outlet = self.outlets[request.engine_id] = Outlet(wrap=False)
+        await context.send_initial_metadata(())
+        try:
+            async for message in outlet.drain():
+                assert isinstance(message, pb.Action)
+                yield message
+        finally:
+            self.outlets.pop(request.engine_id, None)
+
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[pb.ConnectRequest],
+        context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
+    ) -> AsyncIterator[pb.ConnectResponse]:
+        hello = await anext(aiter(request_iterator))
+        engine_id = hello.hello.engine_id
+        outlet = self.outlets[engine_id] = Outlet(wrap=True)
+        reader = asyncio.create_task(self._read(request_iterator, outlet))
+        await context.send_initial_metadata(())
+        try:
+            async for message in outlet.drain():
+                if message is END:
+                    return
+                assert isinstance(message, pb.ConnectResponse)
+                yield message
+        finally:
+            reader.cancel()
+            self.outlets.pop(engine_id, None)
+
+    async def _read(self, requests: AsyncIterator[pb.ConnectRequest], outlet: Outlet) -> None:
+        async for request in requests:
+            outlet.push(pb.ConnectResponse(ack=pb.ConnectAck(request_id=request.request_id)))
+            if request.HasField("fact"):
+                self._after_fact(request.fact)
+            elif request.HasField("outcome"):
+                self._after_outcome(request.outcome)
+        # The engine half-closed: ending the response stream ends the call.
+        outlet.push(END)
+
+
+END = pb.ConnectResponse()  # sentinel: never sent, ends the Connect response stream
+
+
+async def serve(host: str, port: int) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_HandoffCoordinatorServicer_to_server(Floor(), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    # The same line `handoff serve` logs, so one parser finds either's port.
+    print(f"serving gRPC on {host}:{bound}", flush=True)
+    await server.wait_for_termination()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve the empty-handler floor.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    asyncio.run(serve(args.host, args.port))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+"""Benchmark the running service over real gRPC on loopback, against its floor.
+
+In one run: completed handoffs/s on the streaming path (Connect) and the unary
+path (ReportFact/ReportOutcome + StreamActions), each against the service and
+against the empty-handler floor (bench/floor.py); handoff and fact-to-action
+latency at half the maximum rate; server CPU per handoff; RSS per live and per
+retained handoff; and a soak whose RSS must come back once retention expires.
+
+Run: make bench   (or: .venv/bin/python -m bench.service --quick for a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.pool import Pool
+
+from bench import memory
+from bench.load import LoadResult, LoadSpec, run_in_process
+from bench.procs import ServerProcess
+
+PHASES = ("throughput", "latency", "memory", "soak")
+
+
+@dataclass(frozen=True)
+class Plan:
+    duration_s: float  # each measured window, but see stream_duration_s
+    stream_duration_s: float  # the streaming path against the service: the sustained run
+    warmup_s: float
+    concurrency: int
+    pairs: int
+    live: int  # handoffs kept mid-flight for RSS per live handoff
+    retained: int  # completed handoffs kept for RSS per retained handoff
+    memory_warmup: int
+    quiet_s: float  # idle time before reading RSS
+    soak_s: float
+    soak_warmup_s: float
+    retention_s: float  # the soak server's retention: expiry must happen within the run
+
+
+FULL = Plan(20.0, 60.0, 3.0, 128, 4, 100_000, 100_000, 2_000, 2.0, 600.0, 20.0, 30.0)
+QUICK = Plan(0.8, 0.8, 0.2, 32, 2, 300, 300, 50, 0.2, 1.5, 0.5, 0.3)
+
+
+@dataclass
+class Measured:
+    path: str
+    server: str
+    mode: str
+    result: LoadResult
+    server_cpu_s: float
+    wall_s: float
+
+    @property
+    def rate(self) -> float:
+        return self.result.completed / self.result.window_s if self.result.window_s else 0.0
+
+    @property
+    def cpu_per_handoff_us(self) -> float:
+        done = self.result.total_completed
+        return self.server_cpu_s / done * 1e6 if done else float("nan")
+
+    @property
+    def utilisation(self) -> float:
+        return self.server_cpu_s / self.wall_s if self.wall_s else 0.0
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def merge(results: Sequence[LoadResult]) -> LoadResult:
+    merged = LoadResult(window_s=max(r.window_s for r in results))
+    for r in results:
+        merged.started += r.started
+        merged.completed += r.completed
+        merged.total_completed += r.total_completed
+        merged.rejected += r.rejected
+        merged.unfinished += r.unfinished
+        merged.client_cpu_s += r.client_cpu_s
+        merged.handoff_s += r.handoff_s
+        merged.fact_to_action_s += r.fact_to_action_s
+    return merged
+
+
+def drive(pool: Pool, clients: int, server: ServerProcess, spec: LoadSpec, mode: str) -> Measured:
+    """Run ``spec`` split over ``clients`` load processes; the server's CPU over the run."""
+    shards = [
+        replace(
+            spec,
+            target=server.target,
+            shard=index,
+            concurrency=max(1, spec.concurrency // clients),
+            rate=spec.rate / clients if spec.rate else None,
+        )
+        for index in range(clients)
+    ]
+    cpu, began = server.cpu_s(), time.monotonic()
+    result = merge(pool.map(run_in_process, shards))
+    return Measured(
+        spec.path, server.name, mode, result, server.cpu_s() - cpu, time.monotonic() - began
+    )
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def mib(size: float) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def row(m: Measured) -> str:
+    r = m.result
+    return (
+        f"| {m.path} | {m.server} | {m.mode} | {m.rate:,.0f} | {m.cpu_per_handoff_us:,.0f} | "
+        f"{m.utilisation:.0%} | {ms(percentile(r.handoff_s, 0.5))} | "
+        f"{ms(percentile(r.handoff_s, 0.99))} | {ms(percentile(r.fact_to_action_s, 0.99))} | "
+        f"{r.rejected + r.unfinished} |"
+    )
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} {five:.2f} {fifteen:.2f}"
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (< 20 s)")
+    parser.add_argument("--only", default=",".join(PHASES), help="phases, comma-separated")
+    parser.add_argument("--clients", type=int, default=1, help="load processes (shards)")
+    parser.add_argument("--duration-s", type=float, help="each measured window")
+    parser.add_argument("--stream-duration-s", type=float, help="streaming service window")
+    parser.add_argument("--concurrency", type=int, help="handoffs in flight at max rate")
+    parser.add_argument("--pairs", type=int, help="source/destination engine pairs")
+    parser.add_argument("--live", type=int, help="handoffs kept live for memory")
+    parser.add_argument("--retained", type=int, help="handoffs kept retained for memory")
+    parser.add_argument("--soak-s", type=float, help="soak duration (default 600)")
+    parser.add_argument("--retention-s", type=float, help="the soak server's retention")
+    parser.add_argument("--stream-rate", type=float, help="max streaming rate, if not measured")
+    parser.add_argument("--unary-rate", type=float, help="max unary rate, if not measured")
+    return parser.parse_args(argv)
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    plan = QUICK if args.quick else FULL
+    overrides = {
+        "duration_s": args.duration_s,
+        "stream_duration_s": args.stream_duration_s,
+        "concurrency": args.concurrency,
+        "pairs": args.pairs,
+        "live": args.live,
+        "retained": args.retained,
+        "soak_s": args.soak_s,
+        "retention_s": args.retention_s,
+    }
+    return replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    plan = plan_of(args)
+    phases = set(args.only.split(","))
+    if unknown := phases - set(PHASES):
+        print(f"unknown phases: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    load_before = load_average()
+    began = time.monotonic()
+    # Every server starts at once (they idle until their phase), so the
+    # start-up costs are paid in parallel.
+    servers: dict[str, ServerProcess] = {}
+    if phases & {"throughput", "latency"}:
+        servers["service"] = ServerProcess.service()
+    if "throughput" in phases:
+        servers["floor"] = ServerProcess.floor()
+    if "memory" in phases:
+        servers["live"] = memory.memory_server(86400, "live")
+        servers["retained"] = memory.memory_server(86400, "retained")
+    if "soak" in phases:
+        servers["soak"] = memory.memory_server(plan.retention_s, "soak")
+    lines: list[str] = []
+    try:
+        with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+            lines = run_phases(pool, args, plan, phases, servers)
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"## Service benchmark ({'quick' if args.quick else 'full'} run)")
+    print()
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}; load average {load_before} before, "
+        f"{load_average()} after; {time.monotonic() - began:.0f} s; "
+        f"{args.clients} load process(es), {plan.pairs} engine pairs each."
+    )
+    print()
+    print("\n".join(lines))
+    return 0
+
+
+def run_phases(
+    pool: Pool,
+    args: argparse.Namespace,
+    plan: Plan,
+    phases: set[str],
+    servers: dict[str, ServerProcess],
+) -> list[str]:
+    lines: list[str] = []
+    max_rate = {"stream": args.stream_rate or 0.0, "unary": args.unary_rate or 0.0}
+    measured: list[Measured] = []
+    base = LoadSpec(
+        target="",
+        path="stream",
+        pairs=plan.pairs,
+        concurrency=plan.concurrency,
+        duration_s=plan.duration_s,
+        warmup_s=plan.warmup_s,
+    )
+    if "throughput" in phases:
+        for path in ("stream", "unary"):
+            for name in ("service", "floor"):
+                window = plan.stream_duration_s if (path, name) == ("stream", "service") else None
+                spec = replace(base, path=path, duration_s=window or plan.duration_s)
+                say(f"max rate: {path} path, {name}, {spec.duration_s} s")
+                mode = f"max ({plan.concurrency} in flight)"
+                measured.append(drive(pool, args.clients, servers[name], spec, mode))
+                if name == "service":
+                    max_rate[path] = measured[-1].rate
+    if "latency" in phases:
+        for path in ("stream", "unary"):
+            rate = max_rate[path] / 2
+            if rate <= 0:
+                raise SystemExit(f"latency needs the {path} max rate: run throughput or pass it")
+            spec = replace(base, path=path, rate=rate)
+            say(f"half rate: {path} path, {rate:,.0f} handoffs/s")
+            measured.append(
+                drive(pool, args.clients, servers["service"], spec, f"half rate ({rate:,.0f}/s)")
+            )
+    if measured:
+        lines += throughput_table(measured)
+    if "memory" in phases:
+        hold = replace(base, concurrency=max(plan.concurrency, 256), hold=True)
+        say(f"memory: {plan.live:,} live handoffs")
+        live = memory.per_handoff(
+            pool, servers["live"], hold, plan.live, plan.memory_warmup, plan.quiet_s
+        )
+        say(f"memory: {plan.retained:,} retained handoffs")
+        retained = memory.per_handoff(
+            pool,
+            servers["retained"],
+            replace(base, concurrency=max(plan.concurrency, 256)),
+            plan.retained,
+            plan.memory_warmup,
+            plan.quiet_s,
+        )
+        lines += memory_table(live, retained)
+    if "soak" in phases:
+        rate = max_rate["stream"] / 2
+        if rate <= 0:
+            raise SystemExit("the soak needs the stream max rate: run throughput or pass it")
+        say(f"soak: {rate:,.0f} handoffs/s for {plan.soak_s} s, retention {plan.retention_s} s")
+        spec = replace(base, rate=rate, duration_s=plan.soak_s, warmup_s=0.0)
+        outcome = memory.soak(
+            pool,
+            servers["soak"],
+            spec,
+            plan.soak_warmup_s,
+            max(0.2, plan.soak_s / 60),
+            plan.quiet_s,
+            say,
+        )
+        lines += soak_table(outcome)
+    return lines
+
+
+def throughput_table(measured: list[Measured]) -> list[str]:
+    lines = [
+        "| path | server | load | handoffs/s | server CPU µs/handoff | server CPU use | "
+        "handoff p50 ms | handoff p99 ms | fact→action p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [row(m) for m in measured]
+    floors = {m.path: m for m in measured if m.server == "floor"}
+    ratios = []
+    for m in measured:
+        floor = floors.get(m.path)
+        if m.server == "service" and m.mode.startswith("max") and floor and floor.rate:
+            ratios.append(
+                f"- {m.path} path: service/floor throughput {m.rate / floor.rate:.2f}, "
+                f"server CPU per handoff {m.cpu_per_handoff_us / floor.cpu_per_handoff_us:.2f}x"
+            )
+    lines += ["", *ratios]
+    lines += [
+        "",
+        "Latencies are client-side (one clock in the load process): handoff = StartHandoff "
+        "sent to the last Complete received; fact→action = fact sent to the action it caused "
+        "received by its engine. Server CPU = utime+stime of the server process (all threads) "
+        "over the run, warm-up and drain included, divided by the handoffs completed in it.",
+    ]
+    return lines
+
+
+def memory_table(live: memory.PerHandoff, retained: memory.PerHandoff) -> list[str]:
+    return [
+        "",
+        "| memory | handoffs | RSS before | RSS after | per handoff |",
+        "|---|---|---|---|---|",
+        f"| live (transfer scheduled) | {live.count:,} | {mib(live.baseline_rss)} | "
+        f"{mib(live.rss)} | {live.bytes_each:,.0f} bytes |",
+        f"| retained (completed) | {retained.count:,} | {mib(retained.baseline_rss)} | "
+        f"{mib(retained.rss)} | {retained.bytes_each:,.0f} bytes |",
+    ]
+
+
+def soak_table(s: memory.Soak) -> list[str]:
+    r = s.result
+    achieved = r.completed / r.window_s if r.window_s else 0.0
+    return [
+        "",
+        f"Soak: {s.rate:,.0f} handoffs/s asked, {achieved:,.0f}/s completed, for "
+        f"{s.duration_s:.0f} s on the streaming path; retention {s.retention_s:g} s. "
+        f"RSS fresh {mib(s.fresh_rss)}, baseline {mib(s.baseline_rss)} (after a warm-up at "
+        f"the same rate, its retention expired), peak {mib(s.peak_rss)}, final "
+        f"{mib(s.final_rss)} after retention expired "
+        f"({(s.final_rss / s.baseline_rss - 1) if s.baseline_rss else 0:+.1%}); "
+        f"fact→action p99 {ms(percentile(r.fact_to_action_s, 0.99))} ms; "
+        f"errors {r.rejected + r.unfinished}: {'HOLDS' if s.holds else 'FAILS'} "
+        "(final within 10% of baseline, no errors).",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
