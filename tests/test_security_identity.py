@@ -1,0 +1,259 @@
+"""Engine identity over mutual TLS: certificate SANs bound to engine ids.
+
+An engine may subscribe, report facts and report outcomes only as itself and
+only for its own handoffs; a certificate bound to no engine (a frontend) may
+start, read and cancel. Everything else is PERMISSION_DENIED and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.app import Server
+from handoff_server.config import Settings
+from handoff_server.security import SecurityConfigError
+from tests.conftest import StartServer
+from tests.grpc_support import ConnectEngine, StreamRecorder
+from tests.security_support import DECODE_SAN, PREFILL_SAN, Pki, Stub, make_pki, secure_channel
+from tests.test_service import (
+    ACCEPTED,
+    APPLIED,
+    CANCELED,
+    HELD,
+    RESERVED,
+    SCHEDULED,
+    SUBMITTED,
+    TRANSFERRED,
+)
+
+TIMEOUT_S = 10.0
+PREFILL = "prefill-0"
+DECODE = "decode-0"
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def identity_file(folder: Path) -> str:
+    path = folder / "engines.json"
+    # One SAN given as a list, one as a bare string; prefill-1 has no live
+    # certificate in these tests, it only takes part in someone else's handoff.
+    path.write_text(
+        json.dumps({PREFILL: [PREFILL_SAN], DECODE: DECODE_SAN, "prefill-1": ["p1.engines"]})
+    )
+    return str(path)
+
+
+@dataclass
+class Callers:
+    server: Server
+    frontend: Stub
+    prefill: Stub
+    decode: Stub
+
+
+@pytest.fixture
+async def callers(start_server: StartServer, pki: Pki, tmp_path: Path) -> AsyncIterator[Callers]:
+    server = await start_server(
+        **pki.tls_settings(mutual=True),
+        engine_identity_file=identity_file(tmp_path),
+        delivery_timeout_s=60.0,
+    )
+    async with (
+        secure_channel(server.port, pki.ca.cert, pki.client) as frontend,
+        secure_channel(server.port, pki.ca.cert, pki.prefill) as prefill,
+        secure_channel(server.port, pki.ca.cert, pki.decode) as decode,
+    ):
+        yield Callers(
+            server,
+            pb_grpc.HandoffCoordinatorStub(frontend),
+            pb_grpc.HandoffCoordinatorStub(prefill),
+            pb_grpc.HandoffCoordinatorStub(decode),
+        )
+
+
+def start_request(source: str = PREFILL, destination: str = DECODE) -> pb.StartHandoffRequest:
+    return pb.StartHandoffRequest(
+        handoff_id=str(uuid.uuid4()),
+        engine_type=pb.ENGINE_TYPE_VLLM,
+        source_engine_id=source,
+        destination_engine_id=destination,
+        fallback_transfer_delay_ms=1.0,
+    )
+
+
+async def fact(stub: Stub, handoff_id: str, message: pb.Fact) -> pb.ReportFactResponse:
+    return await stub.ReportFact(pb.ReportFactRequest(handoff_id=handoff_id, fact=message))
+
+
+async def outcome(
+    stub: Stub, handoff_id: str, action_id: int, message: pb.Outcome
+) -> pb.ReportOutcomeResponse:
+    return await stub.ReportOutcome(
+        pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=action_id, outcome=message)
+    )
+
+
+async def snapshot(stub: Stub, handoff_id: str) -> bytes:
+    response = await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=handoff_id))
+    return response.handoff.SerializeToString(deterministic=True)
+
+
+async def denied(call: object) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    assert caught.value.code() is DENIED, caught.value
+    return caught.value.details() or ""
+
+
+async def stream_denied(call: grpc.aio.Call) -> str:
+    assert await call.code() is DENIED
+    return await call.details()
+
+
+async def test_engines_complete_a_handoff_acting_as_themselves(callers: Callers) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
+        prefill = StreamRecorder(callers.prefill, PREFILL)
+        decode = ConnectEngine(callers.decode, DECODE)
+        await prefill.subscribed()
+        await decode.subscribed()
+        started = await callers.frontend.StartHandoff(start_request())
+        handoff_id = started.handoff.handoff_id
+        assert (await prefill.wait_for(handoff_id, 0)).kind == pb.ACTION_KIND_SUBMIT_PREFILL
+        await outcome(callers.prefill, handoff_id, 0, SUBMITTED)
+        await fact(callers.prefill, handoff_id, HELD)
+        reserve = await decode.wait_for(handoff_id, 1)
+        assert reserve.kind == pb.ACTION_KIND_RESERVE_DESTINATION
+        report = pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=1, outcome=ACCEPTED)
+        assert (await decode.report(report)).code == 0
+        reserved = pb.ReportFactRequest(handoff_id=handoff_id, fact=RESERVED)
+        assert (await decode.report(reserved)).code == 0
+        await outcome(callers.prefill, handoff_id, 2, SCHEDULED)  # the source transfers
+        await fact(callers.prefill, handoff_id, TRANSFERRED)
+        activate = pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=3, outcome=APPLIED)
+        assert (await decode.report(activate)).code == 0
+        done = await outcome(callers.prefill, handoff_id, 4, APPLIED)
+        assert done.handoff.completion == pb.COMPLETION_SUCCESS
+        await prefill.close()
+        await decode.close()
+
+
+async def test_a_frontend_starts_reads_and_cancels_but_acts_for_no_engine(
+    callers: Callers,
+) -> None:
+    frontend = callers.frontend
+    async with asyncio.timeout(TIMEOUT_S):
+        handoff_id = (await frontend.StartHandoff(start_request())).handoff.handoff_id
+        before = await snapshot(frontend, handoff_id)
+        message = await denied(outcome(frontend, handoff_id, 0, SUBMITTED))
+        assert "router.frontend" in message  # names the certificate that was refused
+        await denied(fact(frontend, handoff_id, HELD))
+        await stream_denied(frontend.StreamActions(pb.StreamActionsRequest(engine_id=PREFILL)))
+        hello = pb.ConnectRequest(hello=pb.ConnectHello(engine_id=DECODE))
+        await stream_denied(frontend.Connect(iter([hello])))
+        assert await snapshot(frontend, handoff_id) == before
+        canceled = await fact(frontend, handoff_id, CANCELED)
+        assert canceled.handoff.phase == pb.PHASE_CLEANING_UP
+    assert callers.server.engine_streams.live == {}
+
+
+async def test_an_engine_acts_only_for_itself_and_its_own_handoffs(callers: Callers) -> None:
+    prefill = callers.prefill
+    async with asyncio.timeout(TIMEOUT_S):
+        ours = (await callers.frontend.StartHandoff(start_request())).handoff.handoff_id
+        theirs_request = start_request(source="prefill-1", destination=DECODE)
+        theirs = (await callers.frontend.StartHandoff(theirs_request)).handoff.handoff_id
+        await outcome(prefill, ours, 0, SUBMITTED)
+        await fact(prefill, ours, HELD)  # issues ReserveDestination (1) to decode-0
+        before = {h: await snapshot(prefill, h) for h in (ours, theirs)}
+
+        # Not as another engine.
+        details = await stream_denied(
+            prefill.StreamActions(pb.StreamActionsRequest(engine_id=DECODE))
+        )
+        assert f"engine {DECODE}" in details
+        # Not the outcome of an action addressed to the other side.
+        details = await denied(outcome(prefill, ours, 1, ACCEPTED))
+        assert f"addressed to {DECODE}" in details
+        # Not for a handoff it takes no part in, whatever the report.
+        await denied(outcome(prefill, theirs, 0, SUBMITTED))
+        await denied(fact(prefill, theirs, CANCELED))
+        # And the same through Connect, where a refusal is an ack and the
+        # stream carries on.
+        engine = ConnectEngine(prefill, PREFILL)
+        await engine.subscribed()
+        ack = await engine.report(pb.ReportFactRequest(handoff_id=theirs, fact=HELD))
+        assert ack.code == DENIED.value[0]
+        assert "no engine of this handoff" in ack.message
+        ack = await engine.report(
+            pb.ReportOutcomeRequest(handoff_id=ours, action_id=1, outcome=ACCEPTED)
+        )
+        assert ack.code == DENIED.value[0]
+        assert {h: await snapshot(prefill, h) for h in (ours, theirs)} == before
+        # What is its own still works on the same stream.
+        ack = await engine.report(pb.ReportFactRequest(handoff_id=ours, fact=CANCELED))
+        assert ack.code == 0
+        await engine.close()
+    metrics = callers.server.metrics.registry
+    denials = {
+        rpc: metrics.get_sample_value(
+            "handoff_rejections_total", {"rpc": rpc, "code": "PERMISSION_DENIED"}
+        )
+        for rpc in ("StreamActions", "ReportOutcome", "ReportFact", "Connect")
+    }
+    assert denials == {"StreamActions": 1, "ReportOutcome": 2, "ReportFact": 1, "Connect": 2}
+
+
+async def test_a_certificate_from_another_ca_cannot_claim_an_engine(
+    callers: Callers, pki: Pki
+) -> None:
+    # The rogue certificate carries prefill-0's SAN, but the TLS handshake
+    # refuses it before any identity is looked at.
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        secure_channel(callers.server.port, pki.ca.cert, pki.rogue_client) as rogue,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(rogue)
+        call = stub.StreamActions(pb.StreamActionsRequest(engine_id=PREFILL))
+        assert await call.code() is grpc.StatusCode.UNAVAILABLE
+    assert callers.server.engine_streams.live == {}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not JSON"),
+        ("[]", "expected a non-empty object"),
+        ('{"bad id!": ["x"]}', "is not an engine id"),
+        ('{"prefill-0": []}', "needs a SAN"),
+        ('{"prefill-0": [""]}', "needs a SAN"),
+    ],
+)
+async def test_unusable_identity_files_stop_the_start(
+    pki: Pki, tmp_path: Path, content: str, message: str
+) -> None:
+    path = tmp_path / "engines.json"
+    path.write_text(content)
+    settings = Settings(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=-1,
+        engine_identity_file=str(path),
+        **pki.tls_settings(mutual=True),
+    )
+    with pytest.raises(SecurityConfigError, match=message):
+        await Server(settings).start()
