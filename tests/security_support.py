@@ -11,7 +11,7 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
+from typing import TypeAlias, TypedDict
 
 import grpc
 from cryptography import x509
@@ -120,6 +120,14 @@ class Authority:
         return Issued(cert, _pem_key(key), cert_path, key_path)
 
 
+class TlsSettings(TypedDict, total=False):
+    """Settings overrides for a TLS server (typed, so they can be ``**``-passed)."""
+
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+
+
 @dataclass(frozen=True)
 class Pki:
     folder: Path
@@ -131,8 +139,10 @@ class Pki:
     decode: Issued  # SAN URI:spiffe://cluster.local/ns/serving/sa/decode-0
     rogue_client: Issued  # from rogue_ca, with prefill-0's SAN
 
-    def tls_settings(self, mutual: bool = True) -> dict[str, str]:
-        settings = {"tls_cert": str(self.server.cert_path), "tls_key": str(self.server.key_path)}
+    def tls_settings(self, mutual: bool = True) -> TlsSettings:
+        settings = TlsSettings(
+            tls_cert=str(self.server.cert_path), tls_key=str(self.server.key_path)
+        )
         if mutual:
             settings["tls_client_ca"] = str(self.ca.cert_path)
         return settings

@@ -9,6 +9,7 @@ nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -248,10 +249,8 @@ async def test_unusable_identity_files_stop_the_start(
 ) -> None:
     path = tmp_path / "engines.json"
     path.write_text(content)
-    settings = Settings(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=-1,
+    settings = dataclasses.replace(
+        Settings(host="127.0.0.1", port=0, metrics_port=-1),
         engine_identity_file=str(path),
         **pki.tls_settings(mutual=True),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.security import SecurityConfigError
 from tests.conftest import StartServer
-from tests.security_support import Pki, make_pki, secure_channel
+from tests.security_support import Pki, TlsSettings, make_pki, secure_channel
 
 TIMEOUT_S = 10.0
 TOKEN = "tls-test-token-0123456789"
@@ -103,9 +104,9 @@ def write(folder: Path, name: str, data: bytes) -> str:
 
 
 async def test_unusable_tls_material_stops_the_start(pki: Pki, tmp_path: Path) -> None:
-    base = {"host": "127.0.0.1", "port": 0, "metrics_port": -1}
+    base = Settings(host="127.0.0.1", port=0, metrics_port=-1)
     other_key = pki.client.key_path
-    cases = {
+    cases: dict[str, tuple[TlsSettings, str]] = {
         "missing file": ({"tls_cert": str(tmp_path / "nope.pem")}, "nope.pem"),
         "key of another certificate": ({"tls_key": str(other_key)}, "tls_key"),
         "not PEM": ({"tls_cert": write(tmp_path, "junk.pem", b"junk")}, "junk.pem"),
@@ -115,7 +116,8 @@ async def test_unusable_tls_material_stops_the_start(pki: Pki, tmp_path: Path) -
         ),
     }
     for case, (override, named) in cases.items():
-        settings = Settings(**base, **(pki.tls_settings(mutual=True) | override))  # type: ignore[arg-type]
+        settings = dataclasses.replace(base, **pki.tls_settings(mutual=True))
+        settings = dataclasses.replace(settings, **override)
         server = Server(settings)
         with pytest.raises(SecurityConfigError, match=named):
             await server.start()
