@@ -20,6 +20,7 @@ DEFAULTS = SimConfig()
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "sim",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="run simulated engines and load against a coordinator",
         description=(
             "Start simulated prefill and decode engines (vllm, sglang and trtllm stacks, "
@@ -32,7 +33,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--target", required=True, help="the coordinator, HOST:PORT")
     parser.add_argument(
         "--metrics-url",
-        help="the coordinator's Prometheus endpoint (default: http://HOST:9464/metrics)",
+        help="the coordinator's Prometheus endpoint; without it, http://HOST:9464/metrics",
     )
     parser.add_argument("--token", help="bearer token sent on every call")
     parser.add_argument("--tls-root-cert", type=Path, help="PEM file of the CA to trust")

@@ -34,6 +34,7 @@ SERVER_SETTINGS = Settings(
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "demo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="start a local coordinator and run the simulator against it, with faults",
         description=(
             "Start a real coordinator on a free loopback port (with its metrics endpoint), "

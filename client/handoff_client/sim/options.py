@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
         "--log-file",
         type=Path,
         default=None,
-        help="where warnings go (default: a new file under the temp directory)",
+        help="where warnings go; without it, a new file in the temp directory, named at the end",
     )
 
 
