@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-import subprocess
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -37,13 +35,15 @@ from handoff_client.errors import (
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
-    UnimplementedError,
 )
 from handoff_server.app import Server
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
+from tests.security_support import Pki, make_pki
 
 TIMEOUT_S = 10.0
+TOKEN = "s3cret-token-0123456789"
 
 
 class CountingRandom(random.Random):
@@ -187,115 +187,61 @@ async def test_start_handoff_is_never_retried() -> None:
     assert rng.draws == 1  # drawn for the first failure, then not used
 
 
-if TYPE_CHECKING:
-    GenericHandler = grpc.GenericRpcHandler[bytes, bytes]
-else:  # generic in the type stubs only
-    GenericHandler = grpc.GenericRpcHandler
-
-
-class HeaderRecorder(GenericHandler):
-    """Records each call's method and authorization header, then answers UNIMPLEMENTED.
-
-    It stands in for the coordinator where the coordinator cannot show what
-    it received: until the server checks tokens, and for TLS handshakes.
-    """
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str | bytes | None]] = []
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> None:
-        headers = dict(handler_call_details.invocation_metadata)
-        self.seen.append((handler_call_details.method, headers.get("authorization")))
-
-
-@pytest.fixture
-async def recorder() -> AsyncIterator[tuple[HeaderRecorder, grpc.aio.Server]]:
-    """The recorder and its server, not started: each test adds the port it needs."""
-    handler = HeaderRecorder()
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((handler,))
-    yield handler, server
-    await server.stop(None)
-
-
-async def test_token_goes_with_every_call(
-    recorder: tuple[HeaderRecorder, grpc.aio.Server],
-) -> None:
-    handler, server = recorder
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    handoff_id = str(uuid.uuid4())
-    async with HandoffClient(f"127.0.0.1:{port}", token="s3cret") as client:
-        async with asyncio.timeout(TIMEOUT_S):
+async def test_the_token_goes_with_every_call(start_lean_server: StartServer) -> None:
+    server = await start_lean_server(tokens=TOKEN)
+    target = f"127.0.0.1:{server.port}"
+    async with HandoffClient(target, token=TOKEN) as client, asyncio.timeout(TIMEOUT_S):
+        handoff_id = await start_vllm(client)
+        await client.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
+        await client.report_fact(handoff_id, Canceled("test"))
+        assert (await client.get_handoff(handoff_id)).phase is Phase.CLEANING_UP
+        async with contextlib.aclosing(client.stream_actions("prefill-0")) as actions:
+            action = await anext(actions)
+        assert action.kind is ActionKind.CANCEL_SOURCE
+    for token in (None, "not-the-token-" + TOKEN):
+        async with HandoffClient(target, token=token) as client, asyncio.timeout(TIMEOUT_S):
             calls = [
-                start_vllm(client, handoff_id),
+                start_vllm(client),
                 client.report_fact(handoff_id, Canceled("test")),
-                client.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED)),
+                client.report_outcome(handoff_id, 1, Outcome(OutcomeKind.APPLIED)),
                 client.get_handoff(handoff_id),
                 anext(client.stream_actions("prefill-0")),
             ]
             for call in calls:
-                with pytest.raises(UnimplementedError):
+                with pytest.raises(UnauthenticatedError):
                     await call
-    methods = {method.rsplit("/", 1)[1] for method, _ in handler.seen}
-    assert methods == {"StartHandoff", "ReportFact", "ReportOutcome", "GetHandoff", "StreamActions"}
-    assert {token for _, token in handler.seen} == {"Bearer s3cret"}
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, made by openssl."""
-    folder = tmp_path_factory.mktemp("pki")
-    new_key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes"
-
-    def openssl(command: str) -> None:
-        subprocess.run(["openssl", *command.split()], cwd=folder, check=True, capture_output=True)
-
-    openssl(f"req -x509 {new_key} -keyout ca.key -out ca.pem -days 2 -subj /CN=test-ca")
-    (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        openssl(f"req {new_key} -keyout {name}.key -out {name}.csr -subj /CN=test-{name}")
-        openssl(
-            f"x509 -req -in {name}.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2 "
-            f"-extfile san.ext -out {name}.pem"
-        )
-    return folder
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def test_mutual_tls_with_certificates_as_paths_or_bytes(
-    pki: Path, recorder: tuple[HeaderRecorder, grpc.aio.Server]
+    pki: Pki, start_lean_server: StartServer
 ) -> None:
-    handler, server = recorder
-    credentials = grpc.ssl_server_credentials(
-        [((pki / "server.key").read_bytes(), (pki / "server.pem").read_bytes())],
-        root_certificates=(pki / "ca.pem").read_bytes(),
-        require_client_auth=True,
-    )
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    await server.start()
-    target = f"127.0.0.1:{port}"
-    handoff_id = str(uuid.uuid4())
-    async with HandoffClient(
-        target,
-        tls_root_cert=pki / "ca.pem",  # a path
-        tls_client_cert=(pki / "client.pem").read_bytes(),  # PEM bytes
-        tls_client_key=str(pki / "client.key"),  # a path as str
-        token="s3cret",
-    ) as client:
-        with pytest.raises(UnimplementedError):  # through the handshake, to the handler
-            async with asyncio.timeout(TIMEOUT_S):
-                await client.get_handoff(handoff_id)
-    assert handler.seen == [("/handoff.v1.HandoffCoordinator/GetHandoff", "Bearer s3cret")]
+    server = await start_lean_server(**pki.tls_settings(mutual=True))
+    target = f"127.0.0.1:{server.port}"
+    async with (
+        HandoffClient(
+            target,
+            tls_root_cert=pki.ca.cert_path,  # a path
+            tls_client_cert=pki.client.cert,  # PEM bytes
+            tls_client_key=str(pki.client.key_path),  # a path as str
+        ) as client,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        handoff_id = await start_vllm(client)
+        assert (await client.get_handoff(handoff_id)).phase is Phase.ACTIVE
     one_try = RetryPolicy(max_attempts=1)
     async with (
-        HandoffClient(target, tls_root_cert=pki / "ca.pem", retry=one_try) as no_client_cert,
+        HandoffClient(target, tls_root_cert=pki.ca.cert, retry=one_try) as no_client_cert,
         HandoffClient(target, retry=one_try) as plaintext,
     ):
         for refused in (no_client_cert, plaintext):
             with pytest.raises(UnavailableError):
                 async with asyncio.timeout(TIMEOUT_S):
                     await refused.get_handoff(handoff_id)
-    assert len(handler.seen) == 1
 
 
 def test_security_options() -> None:
