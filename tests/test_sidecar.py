@@ -32,7 +32,6 @@ from handoff_client import (
     UnaryTransport,
 )
 from handoff_server.app import Server
-from handoff_server.config import Settings
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 
 TIMEOUT_S = 10.0
@@ -286,27 +285,21 @@ async def replace_subscription(client: HandoffClient, engine_id: str) -> None:
     await intruder.aclose()
 
 
-async def test_sidecars_reconnect_to_a_restarted_server() -> None:
+async def test_sidecars_reconnect_to_a_restarted_server(start_lean_server: StartServer) -> None:
     port = free_port()
-    settings = Settings(host="127.0.0.1", port=port, metrics_port=-1, drain_grace_s=0.1)
     prefill, decode = ScriptedEngine(), ScriptedEngine()
-    first = Server(settings)
-    await first.start()
+    first = await start_lean_server(port=port)
     async with (
         HandoffClient(f"127.0.0.1:{port}", channel_options=FAST_RECONNECT) as client,
         running(client, SOURCE, prefill) as p,
         running(client, DESTINATION, decode) as d,
+        asyncio.timeout(TIMEOUT_S),
     ):
-        await first.stop()
-        second = Server(settings)
-        await second.start()
-        try:
-            async with asyncio.timeout(TIMEOUT_S):
-                handoff_id = await start(client)  # the actions wait for the engines
-                await decode.notices[handoff_id].get()
-                handoff = await client.get_handoff(handoff_id)
-        finally:
-            await second.stop()
+        await first.stop()  # the streams fail; the sidecars keep trying
+        await start_lean_server(port=port)
+        handoff_id = await start(client)  # its actions wait for the engines
+        await decode.notices[handoff_id].get()
+        handoff = await client.get_handoff(handoff_id)
     assert handoff.completion is Completion.SUCCESS
     assert p.stats.reconnects >= 1
     assert d.stats.reconnects >= 1

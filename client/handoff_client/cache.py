@@ -25,9 +25,6 @@ class OutcomeCache:
         self._max_handoffs = max_handoffs
         self._by_handoff: OrderedDict[str, dict[int, Outcome]] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._by_handoff)
-
     def get(self, handoff_id: str, action_id: int) -> Outcome | None:
         outcomes = self._by_handoff.get(handoff_id)
         return None if outcomes is None else outcomes.get(action_id)

@@ -90,7 +90,6 @@ class HandoffClient:
         )
         self._stub = pb_grpc.HandoffCoordinatorStub(self._channel)
         self._metadata = security.metadata()
-        self.target = target
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()

@@ -22,10 +22,6 @@ class EngineType(enum.Enum):
     SGLANG = 2
     TRTLLM = 3
 
-    @property
-    def order(self) -> Order:
-        return Order.DESTINATION_FIRST if self is EngineType.SGLANG else Order.SOURCE_FIRST
-
 
 class Role(enum.Enum):
     SOURCE = 1

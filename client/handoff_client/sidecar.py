@@ -203,11 +203,6 @@ class EngineSidecar:
             reports_rejected=self._rejected,
         )
 
-    @property
-    def subscribed(self) -> bool:
-        """Whether the server has confirmed the current subscription."""
-        return self._subscribed.is_set()
-
     async def wait_subscribed(self) -> None:
         """Until the server confirms a subscription (at start, or after a reconnect)."""
         await self._subscribed.wait()

@@ -139,10 +139,6 @@ class SimEngine:
         """Until no prefill, transfer or decode is running."""
         await self._idle.wait()
 
-    def running(self) -> list[str]:
-        """Handoffs with background work still running here."""
-        return list(self._work)
-
     # --- internals -----------------------------------------------------------------
 
     def _seconds(self, ms: float) -> float:

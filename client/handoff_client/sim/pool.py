@@ -27,7 +27,7 @@ class KvBlockPool:
     def holders(self) -> dict[str, int]:
         return dict(self._held)
 
-    def blocks_for(self, tokens: int) -> int:
+    def _blocks_for(self, tokens: int) -> int:
         return max(1, math.ceil(tokens / self.block_size))
 
     def allocate(self, owner: str, tokens: int) -> bool:
@@ -38,7 +38,7 @@ class KvBlockPool:
         """
         if owner in self._held:
             return True
-        blocks = self.blocks_for(tokens)
+        blocks = self._blocks_for(tokens)
         if blocks > self.free:
             return False
         self._held[owner] = blocks

@@ -44,7 +44,7 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
             f"{c.canceled} (by the client {by_client}, during decode {in_decode}, "
             f"after a fault {len(canceled) - by_client - in_decode})",
         ),
-        ("abandoned", f"{c.abandoned} (cleanup owed by a dead engine)"),
+        ("abandoned", f"{leaks.abandoned_with_dead_engine} (cleanup owed by a dead engine)"),
         ("refused", f"{c.refused} (StartHandoff refused)"),
         ("stuck", str(len(leaks.stuck) + len(leaks.lost))),
         ("leaked", f"{leaks.leaked_blocks} blocks ({leaks.pools_checked} live engines checked)"),

@@ -15,9 +15,6 @@ class ServerMetrics:
 
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-    def value(self, name: str, **labels: str) -> float:
-        return self.samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
     def total(self, name: str) -> float:
         """Summed over every label combination."""
         return sum(v for (sample, _), v in self.samples.items() if sample == name)
