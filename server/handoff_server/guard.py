@@ -52,6 +52,9 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
         ("grpc.keepalive_time_ms", round(settings.keepalive_time_s * 1000)),
         ("grpc.keepalive_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
+        # In this gRPC the wait for a ping's ack is bounded by ping_timeout
+        # (default one minute), not by keepalive_timeout alone: set both.
+        ("grpc.http2.ping_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
         # Keepalive must also probe a connection that carries only an idle
         # engine stream; by default gRPC stops pinging after two pings
         # without data, and a dead engine would then go unnoticed.

@@ -1,0 +1,328 @@
+"""Every limit on a real server: message size, streams, engines, queues, keepalive, age."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.app import Server
+from handoff_server.config import Settings
+from handoff_server.guard import MAX_UNACKED_REPORTS
+from tests.conftest import StartServer
+from tests.grpc_support import StreamRecorder
+from tests.security_support import Stub
+
+TIMEOUT_S = 10.0
+# How long a test watches for something that must NOT happen. There is no
+# event for an absence; this is long against loopback round trips (~1 ms).
+QUIET_S = 0.5
+
+
+def channel_to(server: Server, *options: tuple[str, int]) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=options)
+
+
+def start_request(source: str = "src", destination: str = "dst") -> pb.StartHandoffRequest:
+    return pb.StartHandoffRequest(
+        handoff_id=str(uuid.uuid4()),
+        engine_type=pb.ENGINE_TYPE_VLLM,
+        source_engine_id=source,
+        destination_engine_id=destination,
+    )
+
+
+async def code_of(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    return caught.value.code()
+
+
+async def absent(stub: Stub) -> grpc.StatusCode:
+    """The code for reading a random handoff: NOT_FOUND whenever the call got through."""
+    return await code_of(stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4()))))
+
+
+async def watching(channel: grpc.aio.Channel) -> grpc.aio.UnaryStreamCall[Any, Any]:
+    """A Health/Watch stream, open once its first answer arrived: a call that
+    stays in flight and belongs to no engine."""
+    call: grpc.aio.UnaryStreamCall[Any, Any] = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest()
+    )
+    first = await call.read()
+    assert isinstance(first, health_pb2.HealthCheckResponse)
+    return call
+
+
+async def test_a_message_over_the_size_limit_is_refused_and_changes_nothing(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(max_message_bytes=1024)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        big = start_request()
+        big.handoff_id = "x" * 2000
+        assert await code_of(stub.StartHandoff(big)) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        under = start_request()
+        under.handoff_id = "x" * 900  # under the limit, so the servicer sees it
+        assert await code_of(stub.StartHandoff(under)) is grpc.StatusCode.INVALID_ARGUMENT
+        # On a stream, too: the oversized report ends the stream.
+        connect = stub.Connect(
+            iter(
+                [
+                    pb.ConnectRequest(hello=pb.ConnectHello(engine_id="e")),
+                    pb.ConnectRequest(fact=pb.ReportFactRequest(handoff_id="y" * 2000)),
+                ]
+            )
+        )
+        assert await connect.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        await stub.StartHandoff(start_request())  # still serving
+    assert len(server.registry.handoffs) == 1
+
+
+async def test_queued_actions_per_engine_are_capped_over_grpc(start_server: StartServer) -> None:
+    server = await start_server(max_queued_actions_per_engine=3, delivery_timeout_s=60.0)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        # Nobody reads src's actions: each handoff queues a SubmitPrefill for it.
+        started = [(await stub.StartHandoff(start_request())).handoff.handoff_id for _ in range(3)]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StartHandoff(start_request())
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "engine src has 3 undelivered actions" in (refused.value.details() or "")
+        assert len(server.registry.handoffs) == 3  # the refused one left no trace
+        await stub.StartHandoff(start_request("other-src", "other-dst"))  # others unaffected
+        # Once src's sidecar takes its actions, it can be given more.
+        source = StreamRecorder(stub, "src")
+        for handoff_id in started:
+            await source.wait_for(handoff_id, 0)
+        await stub.StartHandoff(start_request())
+        await source.close()
+    assert len(server.registry.handoffs) == 5
+
+
+async def test_engines_with_a_live_stream_are_capped(start_server: StartServer) -> None:
+    server = await start_server(max_engines=2)
+    streams = server.engine_streams
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        first = StreamRecorder(stub, "e1")
+        await first.subscribed()
+        second = stub.Connect(hello_then_wait("e2"))
+        await second.initial_metadata()
+        assert set(streams.live) == {"e1", "e2"}
+        # A third engine is refused, on either kind of stream.
+        refused = stub.StreamActions(pb.StreamActionsRequest(engine_id="e3"))
+        assert await refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_engines" in await refused.details()
+        refused_connect = stub.Connect(hello_then_wait("e3"))
+        assert await refused_connect.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        # An engine already counted may always reconnect: the new stream
+        # replaces the old one, which ends.
+        again = StreamRecorder(stub, "e1")
+        await again.subscribed()
+        assert await first.stream_ended() is grpc.StatusCode.OK
+        # When an engine goes away, its place is free.
+        second.cancel()
+        await streams.wait_until(lambda live: "e2" not in live)
+        third = StreamRecorder(stub, "e3")
+        await third.subscribed()
+        assert set(streams.live) == {"e1", "e3"}
+        await again.close()
+        await third.close()
+        await streams.wait_until(lambda live: not live)
+
+
+async def hello_then_wait(engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
+    yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id))
+    await asyncio.Event().wait()  # keeps the stream open until it is canceled
+
+
+async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer) -> None:
+    server = await start_server(max_concurrent_rpcs=3, max_engines=2)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        held = [await watching(channel) for _ in range(3)]
+        assert await code_of(stub.StartHandoff(start_request())) is (
+            grpc.StatusCode.RESOURCE_EXHAUSTED
+        )
+        assert server.registry.handoffs == {}
+        held.pop().cancel()
+        # The server frees the slot once it has seen the cancellation, which
+        # no event announces: retry, as a client would after RESOURCE_EXHAUSTED.
+        while True:
+            try:
+                await stub.StartHandoff(start_request())
+                break
+            except grpc.aio.AioRpcError as error:
+                if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+            await asyncio.sleep(0.01)
+        for call in held:
+            call.cancel()
+    assert len(server.registry.handoffs) == 1
+
+
+async def test_streams_per_connection_are_capped_and_the_rest_wait(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(max_concurrent_streams=2)
+    # Channels to one target share a connection unless told otherwise.
+    own_connection = ("grpc.use_local_subchannel_pool", 1)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        channel_to(server, own_connection) as busy,
+        channel_to(server, own_connection) as idle,
+    ):
+        held = [await watching(busy) for _ in range(2)]
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(busy)
+        # A third call on the same connection waits for a free stream ...
+        waiting = asyncio.ensure_future(absent(stub))
+        done, _ = await asyncio.wait([waiting], timeout=QUIET_S)
+        assert not done
+        # ... while another connection is served at once.
+        assert await absent(pb_grpc.HandoffCoordinatorStub(idle)) is grpc.StatusCode.NOT_FOUND
+        held.pop().cancel()
+        assert await waiting is grpc.StatusCode.NOT_FOUND
+        held[0].cancel()
+
+
+class BlackholeProxy:
+    """A TCP relay to the server that can go silent without closing anything:
+    from the server's side, its peer has died (a pulled cable, a frozen node)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.silent = False
+        self.server_hung_up = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._writers: list[asyncio.StreamWriter] = []
+        self._listener: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> BlackholeProxy:
+        self._listener = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._listener.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._listener is not None
+        self._listener.close()
+        for task in self._tasks:
+            task.cancel()
+        for writer in self._writers:
+            writer.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._listener.wait_closed()
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(
+            "127.0.0.1", self.target_port
+        )
+        self._writers += [writer, upstream_writer]
+        self._tasks += [
+            asyncio.create_task(self._pump(reader, upstream_writer, from_server=False)),
+            asyncio.create_task(self._pump(upstream_reader, writer, from_server=True)),
+        ]
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, from_server: bool
+    ) -> None:
+        while data := await reader.read(65536):
+            if not self.silent:  # silent: swallow everything, answer nothing
+                writer.write(data)
+                await writer.drain()
+        if from_server:
+            self.server_hung_up.set()
+
+
+async def test_keepalive_detects_a_dead_engine_and_ends_its_stream(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(keepalive_time_s=0.2, keepalive_timeout_s=0.3)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        BlackholeProxy(server.port) as proxy,
+        grpc.aio.insecure_channel(f"127.0.0.1:{proxy.port}") as channel,
+    ):
+        engine = StreamRecorder(pb_grpc.HandoffCoordinatorStub(channel), "quiet-engine")
+        await engine.subscribed()
+        assert "quiet-engine" in server.engine_streams.live
+        proxy.silent = True  # the engine's host dies; no FIN, no RST
+        # Unanswered keepalive pings make the server close the connection ...
+        await proxy.server_hung_up.wait()
+        # ... and end the engine's subscription, so its handoffs are failed
+        # after delivery_timeout instead of waiting for a dead peer forever.
+        await server.engine_streams.wait_until(lambda live: "quiet-engine" not in live)
+        gauge = server.metrics.registry.get_sample_value("handoff_engine_streams")
+        assert gauge == 0
+        with contextlib.suppress(asyncio.CancelledError):
+            await engine.close()
+
+
+async def test_connections_are_closed_at_their_maximum_age(start_server: StartServer) -> None:
+    server = await start_server(max_connection_age_s=0.3, max_connection_age_grace_s=0.3)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        engine = stub.StreamActions(pb.StreamActionsRequest(engine_id="long-lived"))
+        await engine.initial_metadata()
+        # After max age plus grace the stream is cut; an engine then resubscribes.
+        assert await engine.code() is grpc.StatusCode.UNAVAILABLE
+        assert await engine.details() == "max connection age"
+        await server.engine_streams.wait_until(lambda live: not live)
+        # The channel itself carries on over a new connection.
+        assert await absent(stub) is grpc.StatusCode.NOT_FOUND
+
+
+async def test_reports_on_connect_are_not_read_faster_than_their_acks(
+    start_server: StartServer,
+) -> None:
+    """A peer that sends reports and never reads the acknowledgements is
+    slowed down, instead of the server queueing acknowledgements without bound."""
+    server = await start_server()
+    total = 2000
+
+    def processed() -> float:
+        labels = {"rpc": "Connect", "code": "NOT_FOUND"}
+        return server.metrics.registry.get_sample_value("handoff_rejections_total", labels) or 0
+
+    # A small, fixed receive window: the peer's own transport buffers little.
+    options = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024))
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server, *options) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        unknown = str(uuid.uuid4())
+        report = pb.ReportFactRequest(handoff_id=unknown, fact=pb.Fact(timed_out=pb.TimedOut()))
+
+        async def requests() -> AsyncIterator[pb.ConnectRequest]:
+            yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id="greedy"))
+            for number in range(1, total + 1):
+                yield pb.ConnectRequest(request_id=number, fact=report)
+
+        call = stub.Connect(requests())
+        await call.initial_metadata()
+        while processed() < MAX_UNACKED_REPORTS:  # noqa: ASYNC110 (a metric has no event)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(QUIET_S)
+        assert processed() < 2 * MAX_UNACKED_REPORTS, "reports were read without backpressure"
+        # Reading the acknowledgements lets the rest through.
+        acks = [response.ack async for response in call]
+        assert [ack.request_id for ack in acks] == list(range(1, total + 1))
+        assert {ack.code for ack in acks} == {grpc.StatusCode.NOT_FOUND.value[0]}
+        assert processed() == total
+
+
+def test_limits_that_cannot_work_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_message_bytes must be >= 1"):
+        Settings(max_message_bytes=0)
+    with pytest.raises(ValueError, match="larger than max_engines"):
+        Settings(max_concurrent_rpcs=10, max_engines=10)
+    with pytest.raises(ValueError, match="keepalive_time_s and keepalive_timeout_s must be > 0"):
+        Settings(keepalive_time_s=0)
