@@ -196,11 +196,33 @@ def outcome(message: pb.Outcome) -> Outcome:
 
 
 # --- out --------------------------------------------------------------------
+#
+# Every report is answered with the handoff's full state, so these run on
+# every message. They write straight into the message being built: a
+# sub-message passed to a constructor is copied, and Timestamp's Python
+# helpers cost more than the two fields they set.
+
+NANOS_PER_SECOND = 1_000_000_000
+# Timestamp's valid range; FromNanoseconds raises ValueError outside it, and so does _stamp.
+MIN_SECONDS, MAX_SECONDS = -62_135_596_800, 253_402_300_799
+COMPLETION_UNSPECIFIED = pb.COMPLETION_UNSPECIFIED
+
+
+def _stamp(field: Timestamp, seconds: float) -> None:
+    """Set ``field`` to ``seconds`` exactly as ``Timestamp.FromNanoseconds`` would."""
+    whole, nanos = divmod(round(seconds * 1e9), NANOS_PER_SECOND)
+    if not MIN_SECONDS <= whole <= MAX_SECONDS:
+        raise ValueError(
+            f"Timestamp is not valid: Seconds {whole} must be in range "
+            f"[{MIN_SECONDS}, {MAX_SECONDS}]."
+        )
+    field.seconds = whole
+    field.nanos = nanos
 
 
 def timestamp(seconds: float) -> Timestamp:
     stamp = Timestamp()
-    stamp.FromNanoseconds(round(seconds * 1e9))
+    _stamp(stamp, seconds)
     return stamp
 
 
@@ -226,25 +248,25 @@ def outstanding_action(entry: Entry, core_action: Action) -> pb.Action:
 
 def handoff(entry: Entry) -> pb.Handoff:
     core = entry.core
+    completion = core.completion
     message = pb.Handoff(
         handoff_id=entry.handoff_id,
         order=PB_ORDERS[core.order],
         phase=PHASES[core.phase],
-        completion=COMPLETIONS[core.completion]
-        if core.completion is not None
-        else pb.COMPLETION_UNSPECIFIED,
+        completion=COMPLETION_UNSPECIFIED if completion is None else COMPLETIONS[completion],
         source_engine_id=entry.source_engine_id,
         destination_engine_id=entry.destination_engine_id,
         transfer_executor=ROLES[entry.transfer_executor],
-        outstanding_actions=[outstanding_action(entry, a) for a in core.outstanding],
-        lifecycle=[
-            pb.LifecycleEvent(kind=EVENTS[event], at=timestamp(at))
-            for event, at in zip(core.lifecycle, entry.lifecycle_at, strict=True)
-        ],
-        deadline=timestamp(entry.deadline),
-        started_at=timestamp(entry.started_at),
         fallback_transfer_delay_ms=core.fallback_transfer_delay_ms,
     )
+    outstanding = core.outstanding
+    if outstanding:
+        message.outstanding_actions.extend([outstanding_action(entry, a) for a in outstanding])
+    add_event = message.lifecycle.add
+    for event, at in zip(core.lifecycle, entry.lifecycle_at, strict=True):
+        _stamp(add_event(kind=EVENTS[event]).at, at)
+    _stamp(message.deadline, entry.deadline)
+    _stamp(message.started_at, entry.started_at)
     if entry.completed_at is not None:
-        message.completed_at.CopyFrom(timestamp(entry.completed_at))
+        _stamp(message.completed_at, entry.completed_at)
     return message
