@@ -25,7 +25,7 @@ def test_a_short_demo_ends_with_a_clean_summary(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             *(HANDOFF, "demo", "--duration", "3", "--rate", "30", "--time-scale", "0.5"),
-            *("--seed", "5", "--log-file", str(log)),
+            *("--handoff-timeout", "5", "--seed", "5", "--log-file", str(log)),
         ],
         capture_output=True,
         text=True,

@@ -211,6 +211,7 @@ def test_a_leak_fails_the_run_and_the_report_says_where() -> None:
         ({"load": LoadProfile(duration_s=0)}, "never ends"),
         ({"load": LoadProfile(cancel_fraction=2.0)}, "cancel_fraction"),
         ({"faults": FaultProfile(dead_engines=20)}, "more dead and slow engines"),
+        ({"settle_timeout_s": 5.0}, "must exceed the handoff timeout"),
     ],
 )
 def test_impossible_configs_are_refused(changes: dict[str, object], message: str) -> None:

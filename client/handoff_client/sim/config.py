@@ -72,7 +72,7 @@ class SimConfig:
     load: LoadProfile = field(default_factory=LoadProfile)
     faults: FaultProfile = field(default_factory=FaultProfile)
     time_scale: float = 1.0  # multiplies every simulated duration
-    settle_timeout_s: float = 30.0  # after the load: how long handoffs may take to finish
+    settle_timeout_s: float = 45.0  # after the load: how long handoffs may take to finish
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -96,6 +96,10 @@ class SimConfig:
             raise ValueError("more dead and slow engines than engines")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        # A handoff waiting for a fact its dead engine never sends ends at its
+        # deadline: the run must wait at least that long for it.
+        if self.settle_timeout_s <= load.handoff_timeout_s:
+            raise ValueError("settle_timeout_s must exceed the handoff timeout")
 
     @property
     def engine_count(self) -> int:

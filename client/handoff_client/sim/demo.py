@@ -8,14 +8,16 @@ import sys
 
 from handoff_client.client import HandoffClient
 from handoff_client.sim import options
-from handoff_client.sim.config import FaultProfile, SimConfig
+from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
 from handoff_client.sim.report import render
 from handoff_client.sim.run import simulate
 from handoff_client.sim.scrape import scrape
 from handoff_server.app import Server
 from handoff_server.config import Settings
 
-DEFAULTS = SimConfig(faults=FaultProfile.demo())
+# Handoffs that wait for a fact from the engine that died end at their
+# deadline; a short one keeps the demo within the minute.
+DEFAULTS = SimConfig(load=LoadProfile(handoff_timeout_s=10.0), faults=FaultProfile.demo())
 
 # Short server timers, so that the demo's dead engine is noticed (delivery
 # timeout), and its handoffs abandoned (cleanup timeout), within the minute.

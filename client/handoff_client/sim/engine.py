@@ -107,8 +107,7 @@ class SimEngine:
         request = self._book.get(handoff_id)
         if not self.pool.allocate(handoff_id, request.prompt_tokens + request.output_tokens):
             return Outcome.failed(f"{self.engine_id}: out of KV blocks for the decode")
-        reserved = facts.destination_reserved(handoff_id, request.transferable_tokens)
-        self._start(handoff_id, self._report(reserved))
+        self._start(handoff_id, self._reserved(handoff_id, request, facts))
         return ACCEPTED
 
     async def activate_destination(self, action: Action, facts: Facts) -> Outcome:
@@ -168,6 +167,9 @@ class SimEngine:
         ms = request.prompt_tokens / 1000.0 * self._profile.prefill_ms_per_1k_tokens
         await asyncio.sleep(self._seconds(ms))
         await self._report(facts.source_held(handoff_id, request.timing))
+
+    async def _reserved(self, handoff_id: str, request: Request, facts: Facts) -> None:
+        await self._report(facts.destination_reserved(handoff_id, request.transferable_tokens))
 
     async def _transfer(self, action: Action, facts: Facts) -> None:
         await asyncio.sleep(self._seconds(action.delay_ms))

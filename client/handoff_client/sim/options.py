@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
         help="fraction the client cancels during decode (reopens the handoff)",
     )
     group.add_argument(
+        "--handoff-timeout",
+        type=float,
+        default=load.handoff_timeout_s,
+        help="each handoff's deadline, in seconds",
+    )
+    group.add_argument(
         "--prefill-engines",
         type=int,
         default=defaults.prefill_engines,
@@ -119,6 +125,7 @@ def config_from(args: argparse.Namespace, defaults: SimConfig) -> SimConfig:
         prompt_median_tokens=args.prompt_median,
         cancel_fraction=args.cancel_fraction,
         cancel_after_success_fraction=args.cancel_after_success_fraction,
+        handoff_timeout_s=args.handoff_timeout,
     )
     faults = FaultProfile(
         action_failure_rate=args.fail_rate,
