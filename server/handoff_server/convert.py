@@ -35,6 +35,8 @@ from handoff_server.model import (
 from handoff_server.registry import Dispatch, Entry, Role, StartRequest
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Already canonical: uuid.UUID would parse it only to print it back unchanged.
+CANONICAL_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 MAX_REASON_BYTES = 1024
 
 ORDERS = {
@@ -83,6 +85,8 @@ EVENTS = {
 
 def handoff_id(value: str, field: str = "handoff_id") -> str:
     """The canonical lower-case form of a UUID."""
+    if CANONICAL_UUID.fullmatch(value):
+        return value
     if len(value) > 64:
         raise InvalidArgument(f"{field} must be a UUID, got {len(value)} characters")
     try:

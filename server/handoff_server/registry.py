@@ -13,7 +13,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from handoff_server.config import Settings
 from handoff_server.core import Handoff
@@ -57,6 +57,10 @@ FACT_KIND = {
 
 
 class Role(enum.Enum):
+    # Identity hashing in C, as for ActionKind: Enum's default hashes the name
+    # in Python, and roles are looked up on every action converted.
+    __hash__ = object.__hash__
+
     SOURCE = "source"
     DESTINATION = "destination"
     BOTH = "both"  # Complete: a notice to both engines
@@ -339,7 +343,14 @@ class Registry:
         while queue and len(batch) < limit:
             key = next(iter(queue))
             dispatch = queue.pop(key)
-            dispatch = replace(dispatch, attempt=dispatch.attempt + 1)
+            # Built directly: dataclasses.replace introspects the fields on every call.
+            dispatch = Dispatch(
+                dispatch.handoff_id,
+                dispatch.action,
+                dispatch.target,
+                dispatch.engine_id,
+                dispatch.attempt + 1,
+            )
             if dispatch.action.kind is not ActionKind.COMPLETE:
                 channel.unacked[key] = dispatch
             batch.append(dispatch)
