@@ -20,14 +20,14 @@ async def start_server() -> AsyncIterator[StartServer]:
     servers: list[Server] = []
 
     async def start(**overrides: Any) -> Server:
-        settings = Settings(
-            host="127.0.0.1",
-            port=0,
-            metrics_host="127.0.0.1",
-            metrics_port=0,
-            drain_grace_s=overrides.pop("drain_grace_s", 0.1),
-            **overrides,
-        )
+        loopback: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "metrics_host": "127.0.0.1",
+            "metrics_port": 0,
+            "drain_grace_s": 0.1,
+        }
+        settings = Settings(**(loopback | overrides))
         server = Server(settings)
         await server.start()
         servers.append(server)

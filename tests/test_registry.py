@@ -158,20 +158,46 @@ def test_engine_that_never_subscribes_fails_the_handoff_and_frees_the_other_side
     assert h.value("handoff_facts_total", kind="failed", origin="server") == 1
 
 
-def test_action_for_an_engine_gone_longer_than_delivery_timeout_fails_at_once() -> None:
+def test_a_dead_engine_fails_its_handoffs_even_when_it_owes_no_action() -> None:
+    # SGLang order: the prefill acknowledged SubmitPrefill, then died while
+    # running it. It owes a fact, not an outcome; its decode must still be freed.
     h = Harness(delivery_timeout_s=10.0)
-    subscription = h.subscribe(DESTINATION)
-    h.registry.unsubscribe(subscription)
-    first = h.start()  # keeps the destination's channel alive
-    h.registry.report_outcome(first, 0, Outcome(OutcomeKind.SUBMITTED))
-    h.registry.report_fact(first, SourceHeld(TIMING))
+    h.subscribe(DESTINATION)
+    source = h.subscribe(SOURCE)
+    handoff_id = str(uuid.uuid4())
+    h.registry.start(StartRequest(handoff_id, Order.DESTINATION_FIRST, SOURCE, DESTINATION, 5.0))
+    h.registry.report_outcome(handoff_id, 0, Outcome(OutcomeKind.ACCEPTED))
+    h.registry.report_fact(handoff_id, DestinationReserved(1000))
+    h.registry.report_outcome(handoff_id, 1, Outcome(OutcomeKind.SUBMITTED))
+    h.registry.unsubscribe(source)
+    h.advance(9.9)
+    assert h.phase(handoff_id) is Phase.ACTIVE
+    h.advance(0.2)
+    assert h.phase(handoff_id) is Phase.CLEANING_UP
+    assert kinds(h.drain(DESTINATION))[-1] is ActionKind.CANCEL_DESTINATION
+
+
+def test_work_for_an_engine_gone_longer_than_delivery_timeout_fails_at_once() -> None:
+    h = Harness(delivery_timeout_s=10.0, retention_s=600.0)
+    h.subscribe(SOURCE)
+    h.registry.unsubscribe(h.subscribe(DESTINATION))
+    first = h.start()
     h.advance(10.0)
-    assert h.phase(first) is Phase.CLEANING_UP
+    assert h.phase(first) is Phase.CLEANING_UP  # nothing owed yet, failed all the same
+    h.advance(300.0)  # long after its last handoff, the dead engine is still remembered
     second = h.start()
-    h.registry.report_outcome(second, 0, Outcome(OutcomeKind.SUBMITTED))
-    answer = h.registry.report_fact(second, SourceHeld(TIMING))
-    assert kinds(list(answer.actions)) == [ActionKind.RESERVE_DESTINATION]
-    assert h.phase(second) is Phase.CLEANING_UP  # failed in the same call, no waiting
+    assert h.phase(second) is Phase.CLEANING_UP  # in the same call, no waiting
+    h.subscribe(DESTINATION)  # it came back
+    third = h.start()
+    assert h.phase(third) is Phase.ACTIVE
+
+
+def test_offline_engines_with_nothing_owed_are_forgotten() -> None:
+    h = Harness(delivery_timeout_s=10.0, retention_s=60.0)
+    h.registry.unsubscribe(h.subscribe("decode-gone"))
+    assert "decode-gone" in h.registry._channels
+    h.advance(60.0)
+    assert "decode-gone" not in h.registry._channels
 
 
 def test_resubscribing_redelivers_unacknowledged_actions_with_attempt_counts() -> None:

@@ -168,7 +168,15 @@ class Subscription:
 
 
 class EngineChannel:
-    __slots__ = ("engine_id", "queue", "unacked", "subscription", "epoch", "offline_since")
+    __slots__ = (
+        "engine_id",
+        "queue",
+        "unacked",
+        "handoffs",
+        "subscription",
+        "epoch",
+        "offline_since",
+    )
 
     def __init__(self, engine_id: str, now: float, epoch: int) -> None:
         self.engine_id = engine_id
@@ -176,6 +184,10 @@ class EngineChannel:
         self.queue: dict[tuple[str, int], Dispatch] = {}
         # Every outstanding action of this engine, written or not (never Complete).
         self.unacked: dict[tuple[str, int], Dispatch] = {}
+        # Unfinished handoffs naming this engine. They fail when it goes
+        # unreachable even if it owes no action: a prefill that died while
+        # running would otherwise hold its decode's memory until the deadline.
+        self.handoffs: set[str] = set()
         self.subscription: Subscription | None = None
         # Renewed on every (un)subscribe from a registry-wide counter, so a
         # timer armed for an earlier stream, or a forgotten channel, never fires.
@@ -262,6 +274,7 @@ class Registry:
         self.metrics.started.inc()
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, ("deadline", request.handoff_id), entry.deadline)
+        self._engage(entry, now)
         return CallResult(entry, self._call(entry, Handoff.start))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
@@ -330,8 +343,7 @@ class Registry:
         now = self.clock()
         channel.epoch = next(self._epochs)
         channel.offline_since = now
-        self._arm_unreachable(channel, now)
-        self._forget_idle_channel(channel)
+        self._arm_offline_timers(channel, now)
 
     def take(self, subscription: Subscription, limit: int = 256) -> list[Dispatch] | None:
         """Pop up to ``limit`` dispatches to write; None once the stream was replaced."""
@@ -366,6 +378,9 @@ class Registry:
             if kind == "unreachable":
                 self._engine_unreachable(self._channels[key])
                 continue
+            if kind == "forget":
+                self._forget_channel(self._channels[key], now)
+                continue
             entry = self.handoffs[key]
             if kind == "deadline":
                 log.warning("handoff deadline passed", extra={"handoff_id": key})
@@ -380,7 +395,7 @@ class Registry:
 
     def _timer_is_live(self, timer: Timer) -> bool:
         kind, key = timer.key
-        if kind == "unreachable":
+        if kind in ("unreachable", "forget"):
             channel = self._channels.get(key)
             return (
                 channel is not None
@@ -487,6 +502,7 @@ class Registry:
             if phase_before is Phase.COMPLETE:
                 self.metrics.reopened.inc()
                 self._retained.pop(entry.handoff_id, None)
+                self._engage(entry, now)
                 log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
             entry.cleanup_epoch += 1
             entry.redelivery_round = 0
@@ -507,6 +523,7 @@ class Registry:
             for action_id, (_, _, engines) in entry.routed.items():
                 self._drop_deliveries(entry.handoff_id, action_id, engines)
             entry.routed.clear()
+            self._disengage(entry)
             self._retain(entry.handoff_id, now)
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
@@ -539,15 +556,37 @@ class Registry:
         if channel is None:
             now = self.clock()
             channel = self._channels[engine_id] = EngineChannel(engine_id, now, next(self._epochs))
-            self._arm_unreachable(channel, now)
+            self._arm_offline_timers(channel, now)
         return channel
 
-    def _arm_unreachable(self, channel: EngineChannel, now: float) -> None:
+    def _arm_offline_timers(self, channel: EngineChannel, now: float) -> None:
+        """An engine just went (or started) without a stream: when to give up on it."""
         self._schedule(
             now + self.settings.delivery_timeout_s,
             ("unreachable", channel.engine_id),
             channel.epoch,
         )
+        # Remember a dead engine for a while, so that work for it fails at
+        # once instead of waiting out another delivery timeout.
+        self._schedule(
+            now + max(self.settings.retention_s, self.settings.delivery_timeout_s),
+            ("forget", channel.engine_id),
+            channel.epoch,
+        )
+
+    def _engage(self, entry: Entry, now: float) -> None:
+        """Tie a handoff to its engines; one gone for delivery_timeout dooms it at once."""
+        for engine_id in {entry.source_engine_id, entry.destination_engine_id}:
+            channel = self._channel(engine_id)
+            channel.handoffs.add(entry.handoff_id)
+            if channel.unreachable(now, self.settings.delivery_timeout_s):
+                self._doomed[entry.handoff_id] = None
+
+    def _disengage(self, entry: Entry) -> None:
+        for engine_id in {entry.source_engine_id, entry.destination_engine_id}:
+            channel = self._channels.get(engine_id)
+            if channel is not None:
+                channel.handoffs.discard(entry.handoff_id)
 
     def _drop_deliveries(self, handoff_id: str, action_id: int, engines: tuple[str, ...]) -> None:
         key = (handoff_id, action_id)
@@ -556,15 +595,20 @@ class Registry:
             if channel is not None:
                 channel.unacked.pop(key, None)
                 channel.queue.pop(key, None)
-                self._forget_idle_channel(channel)
 
-    def _forget_idle_channel(self, channel: EngineChannel) -> None:
-        # Engines come and go; an offline engine with nothing owed is forgotten.
-        if channel.subscription is None and not channel.queue and not channel.unacked:
-            del self._channels[channel.engine_id]
+    def _forget_channel(self, channel: EngineChannel, now: float) -> None:
+        """Engines come and go: one long offline with nothing owed is forgotten."""
+        if channel.queue or channel.unacked or channel.handoffs:
+            self._schedule(
+                now + max(self.settings.retention_s, self.settings.delivery_timeout_s),
+                ("forget", channel.engine_id),
+                channel.epoch,
+            )
+            return
+        del self._channels[channel.engine_id]
 
     def _engine_unreachable(self, channel: EngineChannel) -> None:
-        owed = {handoff_id for handoff_id, _ in channel.unacked}
+        owed = {handoff_id for handoff_id, _ in channel.unacked} | channel.handoffs
         if not owed:
             return
         self.metrics.engine_unreachable.inc()
@@ -623,6 +667,7 @@ class Registry:
     def _remove(self, entry: Entry) -> None:
         for action_id, (_, _, engines) in entry.routed.items():
             self._drop_deliveries(entry.handoff_id, action_id, engines)
+        self._disengage(entry)
         del self.handoffs[entry.handoff_id]
         self.metrics.handoffs_by[entry.core.phase].dec()
 
