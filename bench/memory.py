@@ -15,8 +15,11 @@ from multiprocessing.pool import Pool
 from bench.load import LoadResult, LoadSpec, run_in_process
 from bench.procs import ServerProcess
 
-# Room for every handoff the measurement keeps, and deadlines that never fire.
+# Room for every handoff the measurement keeps, deadlines that never fire, and
+# engines that may go away (the live handoffs must not fail when they do).
 ROOMY = [
+    "--delivery-timeout-s",
+    "86400",
     "--max-active-handoffs",
     "1000000",
     "--max-retained",

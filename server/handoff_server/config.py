@@ -51,6 +51,11 @@ class Settings:
     )
     log_format: str = _setting("text", "log format", choices=("text", "json"))
     log_level: str = _setting("info", "log level", choices=("debug", "info", "warning", "error"))
+    event_loop: str = _setting(
+        "asyncio",
+        "event loop; uvloop spends about 10%% less server CPU per handoff (bench/RESULTS.md)",
+        choices=("asyncio", "uvloop"),
+    )
     # --- security (README "Security"); file paths: "" means unset -------------
     tls_cert: str = _setting(
         "", "PEM certificate chain; with --tls-key the gRPC port speaks TLS only"

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 
 from handoff_server import config, logs
 from handoff_server.app import Server
@@ -38,11 +39,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logs.configure(settings.log_format, settings.log_level)
     try:
-        asyncio.run(_serve(settings))
+        with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
+            runner.run(_serve(settings))
     except OSError as error:
         log.error("cannot start: %s", error)
         return 1
     return 0
+
+
+def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop `--event-loop` names; None is asyncio's own."""
+    if name == "uvloop":
+        import uvloop  # imported only when asked for
+
+        return uvloop.new_event_loop
+    return None
 
 
 async def _serve(settings: config.Settings) -> None:
