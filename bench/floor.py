@@ -20,6 +20,7 @@ import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.serve import loop_factory
 
 SOURCE_FIRST = pb.HANDOFF_ORDER_SOURCE_FIRST
 Message = pb.Action | pb.ConnectResponse
@@ -189,8 +190,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Serve the empty-handler floor.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--event-loop", default="asyncio", choices=("asyncio", "uvloop"))
     args = parser.parse_args()
-    asyncio.run(serve(args.host, args.port))
+    # The same loop as the service it is compared with.
+    with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
+        runner.run(serve(args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ class LoadSpec:
     warmup_s: float = 2.0  # before the window; nothing recorded
     rate: float | None = None  # handoffs/s started at a fixed pace (open loop) when set
     count: int | None = None  # stop after this many handoffs (then no window)
-    hold: bool = False  # stop each handoff once its transfer is scheduled (memory)
+    hold: bool = False  # stop each handoff once its transfer is scheduled
+    frontend_only: bool = False  # no engines: each handoff stays started, its first action queued
     shard: int = 0  # engine ids are distinct per shard, so shards never share a stream
 
 
@@ -346,6 +347,8 @@ class Frontend:
             book.result.rejected += 1
             book.flights.pop(handoff_id, None)
             return
+        if spec.frontend_only:
+            book.finish(handoff_id, flight)
         await flight.done
 
     async def closed_loop(self) -> None:
@@ -388,7 +391,7 @@ async def run(spec: LoadSpec) -> LoadResult:
         kind = StreamEngine if spec.path == "stream" else UnaryEngine
         engines: list[Engine] = [
             kind(engine_stub, f"{role}-{spec.shard}-{pair}", book)
-            for pair in range(spec.pairs)
+            for pair in range(0 if spec.frontend_only else spec.pairs)
             for role in ("prefill", "decode")
         ]
         for engine in engines:

@@ -31,8 +31,8 @@ ROOMY = [
 ]
 
 
-def memory_server(retention_s: float, name: str) -> ServerProcess:
-    return ServerProcess.service(*ROOMY, "--retention-s", str(retention_s), name=name)
+def memory_server(retention_s: float, name: str, *flags: str) -> ServerProcess:
+    return ServerProcess.service(*ROOMY, "--retention-s", str(retention_s), *flags, name=name)
 
 
 @dataclass

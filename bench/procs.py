@@ -60,8 +60,8 @@ class ServerProcess:
         return cls([*SERVICE, *SERVICE_FLAGS, *flags], name)
 
     @classmethod
-    def floor(cls) -> ServerProcess:
-        return cls(FLOOR, "floor")
+    def floor(cls, *flags: str) -> ServerProcess:
+        return cls([*FLOOR, *flags], "floor")
 
     def _drain(self) -> None:
         assert self.process.stdout is not None
