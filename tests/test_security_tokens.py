@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import urllib.request
 import uuid
@@ -283,3 +284,16 @@ async def test_unusable_tokens_stop_the_start(
     missing = Server(Settings(metrics_port=-1, token_file=str(tmp_path / "absent")))
     with pytest.raises(SecurityConfigError, match="absent"):
         await missing.start()
+
+
+def test_readme_security_section_lists_every_security_flag() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.partition("## Security")[2].partition("\n## ")[0]
+    assert section, "README.md has no '## Security' section"
+    names = [f.name for f in dataclasses.fields(Settings)]
+    # The security settings are the block appended after log_level.
+    security_settings = names[
+        names.index("tls_cert") : names.index("max_connection_age_grace_s") + 1
+    ]
+    for name in [*security_settings, "metrics_host", "max_queued_actions_per_engine"]:
+        assert "--" + name.replace("_", "-") in section, name
