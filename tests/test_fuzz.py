@@ -279,12 +279,6 @@ async def test_garbage_on_the_connection_leaves_the_server_healthy(
     target.check_bounded()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, reported: convert.start_request accepts a finite timeout_s whose "
-    "deadline is past Timestamp's range (year 9999); the handoff is created and the "
-    "answer fails with INTERNAL. Remove this mark once convert.py bounds timeout_s.",
-)
 async def test_an_absurd_timeout_is_refused_not_internal(target: Target) -> None:
     request = pb.StartHandoffRequest(
         handoff_id=str(uuid.uuid4()),

@@ -185,6 +185,7 @@ async def test_admission_limit(start_server: StartServer) -> None:
         ({"fallback_transfer_delay_ms": float("nan")}, "fallback_transfer_delay_ms"),
         ({"fallback_transfer_delay_ms": -1.0}, "fallback_transfer_delay_ms"),
         ({"timeout_s": float("inf")}, "timeout_s"),
+        ({"timeout_s": 1e12}, "at most 86400"),
         ({"transfer_executor": pb.ROLE_BOTH}, "transfer_executor"),
     ],
 )

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from handoff_server.model import MAX_HANDOFF_TIMEOUT_S
+
 
 def _setting(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
@@ -121,6 +123,10 @@ class Settings:
             choices = setting.metadata.get("choices")
             if choices and value not in choices:
                 raise ValueError(f"{setting.name} must be one of {', '.join(choices)}")
+        if not 0.0 < self.default_timeout_s <= MAX_HANDOFF_TIMEOUT_S:
+            raise ValueError(
+                f"default_timeout_s must be > 0 and at most {MAX_HANDOFF_TIMEOUT_S:.0f}"
+            )
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

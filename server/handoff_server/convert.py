@@ -13,6 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.model import (
+    MAX_HANDOFF_TIMEOUT_S,
     Action,
     ActionKind,
     Canceled,
@@ -128,8 +129,10 @@ def start_request(request: pb.StartHandoffRequest) -> StartRequest:
     timeout_s: float | None = None
     if request.HasField("timeout_s"):
         timeout_s = _finite_non_negative(request.timeout_s, "timeout_s")
-        if timeout_s == 0.0:
-            raise InvalidArgument("timeout_s must be > 0 when given")
+        if not 0.0 < timeout_s <= MAX_HANDOFF_TIMEOUT_S:
+            raise InvalidArgument(
+                f"timeout_s must be > 0 and at most {MAX_HANDOFF_TIMEOUT_S:.0f}, got {timeout_s}"
+            )
     resolved = order if order is not None else implied
     assert resolved is not None
     return StartRequest(

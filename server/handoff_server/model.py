@@ -107,6 +107,11 @@ ALLOWED_OUTCOMES: dict[ActionKind, frozenset[OutcomeKind]] = {
 }
 
 
+# A handoff is a prefill plus a KV transfer; a day is already absurd, and the
+# bound keeps every deadline a representable timestamp.
+MAX_HANDOFF_TIMEOUT_S = 86_400.0
+
+
 def format_float(value: float) -> str:
     """Render a float the way the reference does in its messages: 1, 0.5, inf, NaN."""
     if math.isnan(value):
