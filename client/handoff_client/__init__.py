@@ -1,13 +1,16 @@
 """handoff_client: the SDK for frontends and engine sidecars.
 
 - :class:`HandoffClient`: typed async calls (start, report, get, stream).
-- :class:`EngineSidecar`: runs an :class:`Engine`'s handlers for its actions.
+- :class:`EngineSidecar`: runs an :class:`Engine`'s handlers for its actions,
+  over :class:`ConnectTransport` (one stream per engine) or
+  :class:`UnaryTransport`.
 - :mod:`handoff_client.errors`: one exception per gRPC status.
 - :mod:`handoff_client.sim`: simulated engines and load, behind ``handoff sim``
   and ``handoff demo``.
 """
 
 from handoff_client.client import HandoffClient
+from handoff_client.connect import ConnectTransport
 from handoff_client.errors import HandoffRpcError
 from handoff_client.model import (
     Action,
@@ -35,7 +38,7 @@ from handoff_client.model import (
 )
 from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.sidecar import Engine, EngineSidecar, Facts, SidecarStats
-from handoff_client.transport import SidecarTransport, UnaryTransport
+from handoff_client.transport import SidecarTransport, TransportKind, UnaryTransport
 
 __all__ = [
     "Action",
@@ -43,6 +46,7 @@ __all__ = [
     "Backoff",
     "Canceled",
     "Completion",
+    "ConnectTransport",
     "DestinationReserved",
     "Engine",
     "EngineSidecar",
@@ -69,5 +73,6 @@ __all__ = [
     "TimingMode",
     "TransferCompleted",
     "TransferTiming",
+    "TransportKind",
     "UnaryTransport",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -193,13 +193,26 @@ class HandoffClient:
         try:
             if on_subscribed is not None:
                 await call.initial_metadata()
-                on_subscribed()
+                # A call that failed before the server took it (no server, a
+                # refused token) also "has" headers: empty ones, and it is done.
+                # It is no subscription; iterating raises its error.
+                if not call.done():
+                    on_subscribed()
             async for message in call:
                 yield action_from_pb(message)
         except grpc.aio.AioRpcError as error:
             raise error_for(error) from error
         finally:
             call.cancel()
+
+    def _open_connect(
+        self, requests: AsyncIterator[pb.ConnectRequest]
+    ) -> grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse]:
+        """A Connect call with this client's credentials, for :class:`ConnectTransport`.
+
+        Package-internal: the SDK's public surface carries no protobuf.
+        """
+        return self._stub.Connect(requests, metadata=self._metadata)
 
     # --- the one path every unary call takes --------------------------------
 

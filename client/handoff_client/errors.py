@@ -124,7 +124,20 @@ _BY_CODE: dict[grpc.StatusCode, type[HandoffRpcError]] = {
 }
 
 
+_BY_NUMBER: dict[int, type[HandoffRpcError]] = {
+    code.value[0]: cls for code, cls in _BY_CODE.items()
+}
+
+
 def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
     """The typed exception for ``error``; raise it ``from error`` to keep the chain."""
     cls = _BY_CODE.get(error.code(), UnknownError)
     return cls(error.details() or "")
+
+
+def error_for_status(code: int, details: str) -> HandoffRpcError:
+    """The typed exception for a numeric google.rpc code, as a Connect ack carries it.
+
+    The same class and details the unary call would raise for the same refusal.
+    """
+    return _BY_NUMBER.get(code, UnknownError)(details)

@@ -3,8 +3,9 @@
 The engine implements :class:`Engine`: one async method per action kind, each
 returning the action's :class:`~handoff_client.model.Outcome`. The sidecar
 
-- subscribes to the engine's actions and resubscribes, with jittered backoff,
-  whenever the stream drops;
+- subscribes to the engine's actions (on one Connect stream that also carries
+  its reports, unless told to use the unary RPCs) and resubscribes, with
+  jittered backoff, whenever the stream drops;
 - runs handlers concurrently, up to ``max_concurrency`` at once;
 - reports each outcome, retrying until it lands;
 - answers a redelivered action from its outcome cache instead of running the
@@ -47,7 +48,7 @@ from handoff_client.model import (
 )
 from handoff_client.outbox import Outbox
 from handoff_client.retry import Backoff
-from handoff_client.transport import SidecarTransport, UnaryTransport
+from handoff_client.transport import SidecarTransport, TransportKind, make_transport
 
 log = logging.getLogger("handoff.sidecar")
 
@@ -141,11 +142,12 @@ class SidecarStats:
 class EngineSidecar:
     """Connects one engine to the coordinator; use it with ``async with``.
 
-    ``connection`` is a :class:`~handoff_client.client.HandoffClient` (the
-    sidecar then uses StreamActions and unary reports) or any
-    :class:`~handoff_client.transport.SidecarTransport`. Handlers get
-    :attr:`facts`; the engine can also use it outside any handler, e.g. to
-    report a decode that crashed.
+    ``connection`` is a :class:`~handoff_client.client.HandoffClient` or any
+    :class:`~handoff_client.transport.SidecarTransport`. Given a client, the
+    sidecar talks over one Connect stream (``transport="connect"``, the
+    default) or over StreamActions plus unary reports (``transport="unary"``).
+    Handlers get :attr:`facts`; the engine can also use it outside any
+    handler, e.g. to report a decode that crashed.
     """
 
     def __init__(
@@ -159,14 +161,18 @@ class EngineSidecar:
         cache_size: int = 65_536,
         stop_grace_s: float = 5.0,
         rng: random.Random | None = None,
+        transport: TransportKind | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         self.engine_id = engine_id
         self._engine = engine
-        self._transport = (
-            UnaryTransport(connection) if isinstance(connection, HandoffClient) else connection
-        )
+        if isinstance(connection, HandoffClient):
+            self._transport = make_transport(connection, transport or "connect")
+        elif transport is not None:
+            raise ValueError("transport= chooses how to use a HandoffClient; a transport was given")
+        else:
+            self._transport = connection
         self._rng = rng or random.Random()
         self._backoff = reconnect_backoff or Backoff()
         self._slots = asyncio.Semaphore(max_concurrency)
@@ -186,6 +192,7 @@ class EngineSidecar:
         self._running: set[tuple[str, int]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
+        self._stopping = False
         self._subscribed = asyncio.Event()
         self._received = self._handled = self._cache_hits = self._ignored = 0
         self._handler_errors = self._reconnects = self._rejected = 0
@@ -225,18 +232,17 @@ class EngineSidecar:
         self._reader = asyncio.create_task(self._read(), name=f"sidecar-{self.engine_id}")
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Unsubscribe, give running handlers and queued reports ``grace_s``, cancel the rest.
+        """Take no new actions, give running handlers and queued reports ``grace_s``,
+        cancel the rest, unsubscribe.
 
         ``grace_s=0`` stops at once, as a crashed engine would.
         """
         grace = self._stop_grace_s if grace_s is None else grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        self._subscribed.clear()
+        # Actions delivered from now on are left alone: they stay outstanding
+        # and the server sends them again to the engine's next subscription.
+        self._stopping = True
         tasks = set(self._tasks)
         if tasks and grace > 0:
             await asyncio.wait(tasks, timeout=grace)
@@ -244,6 +250,13 @@ class EngineSidecar:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._outbox.close(max(deadline - loop.time(), 0.0))
+        # Unsubscribe last: on Connect the stream also carries the reports
+        # the grace lets land.
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._subscribed.clear()
 
     # --- the stream ------------------------------------------------------------
 
@@ -276,11 +289,13 @@ class EngineSidecar:
 
     async def _dispatch(self, action: Action) -> None:
         self._received += 1
+        if self._stopping:
+            return
         key = (action.handoff_id, action.id)
         if action.kind is ActionKind.COMPLETE:
             self._cache.forget(action.handoff_id)
-            await self._slots.acquire()
-            self._spawn(self._notify_complete(action))
+            if await self._take_slot():
+                self._spawn(self._notify_complete(action))
             return
         cached = self._cache.get(*key)
         if cached is not None:
@@ -291,9 +306,17 @@ class EngineSidecar:
             self._ignored += 1  # the running handler reports when it is done
             return
         # Waiting for a slot here stops reading the stream: backpressure.
+        if await self._take_slot():
+            self._running.add(key)
+            self._spawn(self._execute(action))
+
+    async def _take_slot(self) -> bool:
+        """A handler slot; False (and no slot) if the sidecar began stopping meanwhile."""
         await self._slots.acquire()
-        self._running.add(key)
-        self._spawn(self._execute(action))
+        if self._stopping:
+            self._slots.release()
+            return False
+        return True
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -1,9 +1,12 @@
 """How an engine sidecar talks to the coordinator: the seam between the two.
 
 The sidecar needs three things: a subscription to its actions, and a way to
-report facts and outcomes. :class:`UnaryTransport` does it with StreamActions
-plus the unary ReportFact/ReportOutcome calls; a transport over the
-bidirectional Connect RPC can implement the same protocol.
+report facts and outcomes. Two transports implement them:
+
+- :class:`~handoff_client.connect.ConnectTransport` (the default): all of
+  it on one bidirectional Connect stream per engine;
+- :class:`UnaryTransport`: StreamActions plus one unary ReportFact or
+  ReportOutcome call per report.
 
 A transport raises :class:`~handoff_client.errors.HandoffRpcError` subclasses;
 the sidecar retries UNAVAILABLE and DEADLINE_EXCEEDED reports (every report is
@@ -13,10 +16,15 @@ idempotent on the server) and treats any other error as final.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 from handoff_client.client import HandoffClient
+from handoff_client.connect import ConnectTransport
 from handoff_client.model import Action, Fact, Outcome
+
+# What EngineSidecar(transport=...), `handoff sim` and `handoff demo` accept.
+TransportKind = Literal["connect", "unary"]
+TRANSPORT_KINDS: tuple[TransportKind, ...] = ("connect", "unary")
 
 
 class SidecarTransport(Protocol):
@@ -50,3 +58,12 @@ class UnaryTransport:
 
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
         await self._client.report_outcome(handoff_id, action_id, outcome)
+
+
+def make_transport(client: HandoffClient, kind: TransportKind) -> SidecarTransport:
+    """A new transport of ``kind`` over ``client``; one per sidecar."""
+    if kind == "connect":
+        return ConnectTransport(client)
+    if kind == "unary":
+        return UnaryTransport(client)
+    raise ValueError(f"unknown transport {kind!r}: choose one of {', '.join(TRANSPORT_KINDS)}")

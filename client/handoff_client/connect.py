@@ -1,0 +1,234 @@
+"""ConnectTransport: an engine's actions and reports on one Connect stream.
+
+Over the unary transport, a handoff costs each of its engines one
+StreamActions message per action plus one ReportFact or ReportOutcome call
+per report: about ten calls per successful handoff, each a new HTTP/2 stream
+with its own headers and deadline. On Connect the same traffic is messages
+on one long-lived stream per engine.
+
+It behaves like :class:`~handoff_client.transport.UnaryTransport`, so the
+sidecar's ordered outbox, retries and outcome cache work unchanged:
+
+- :meth:`ConnectTransport.subscribe` opens one Connect stream (hello first)
+  and yields the actions that arrive on it; ``on_subscribed`` runs when the
+  server's headers say the subscription is registered. Closing the generator
+  cancels the stream.
+- A report goes out on the live stream and returns when its acknowledgement
+  arrives. A non-zero code raises the exception the unary call would raise
+  for the same refusal (same class, same details).
+- A report still unacknowledged when its stream ends (dropped, replaced by
+  a newer stream for the engine, closed) fails with ``UnavailableError``, so
+  the outbox sends it again, on the next stream. Reports are idempotent on
+  the server: one that landed before the break is harmless to repeat.
+- Between streams a report waits for the next one. Every report has the
+  client's deadline (``timeout_s``), that wait included; past it,
+  ``DeadlineExceededError``, which the outbox retries as well.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+
+import grpc
+
+from handoff.v1 import coordinator_pb2 as pb
+from handoff_client.client import HandoffClient
+from handoff_client.convert import action_from_pb, fact_to_pb, outcome_to_pb
+from handoff_client.errors import (
+    CallCancelledError,
+    DeadlineExceededError,
+    HandoffRpcError,
+    UnavailableError,
+    error_for,
+    error_for_status,
+)
+from handoff_client.model import Action, Fact, Outcome
+
+# Actions read ahead of the sidecar. Past this the reader stops and leaves the
+# rest to gRPC flow control and the server's queue, as StreamActions does.
+MAX_BUFFERED_ACTIONS = 256
+
+
+class ConnectTransport:
+    """Actions and reports of one engine on one Connect stream at a time.
+
+    One transport per :class:`~handoff_client.sidecar.EngineSidecar`; it uses
+    ``client``'s channel, credentials and ``timeout_s``.
+    """
+
+    def __init__(self, client: HandoffClient) -> None:
+        self._client = client
+        self._live: _Stream | None = None  # the stream reports go out on
+        self._changed = asyncio.Condition()  # notified when a stream goes live
+        self._last_request_id = 0
+
+    def subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        return self._subscribe(engine_id, on_subscribed)
+
+    async def report_fact(self, handoff_id: str, fact: Fact) -> None:
+        report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
+        await self._report(pb.ConnectRequest(fact=report))
+
+    async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
+        report = pb.ReportOutcomeRequest(
+            handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
+        )
+        await self._report(pb.ConnectRequest(outcome=report))
+
+    @property
+    def unacknowledged(self) -> int:
+        """Reports sent on the live stream and not acknowledged yet."""
+        stream = self._live
+        return 0 if stream is None else len(stream.pending)
+
+    # --- the stream ------------------------------------------------------------
+
+    async def _subscribe(
+        self, engine_id: str, on_subscribed: Callable[[], None]
+    ) -> AsyncGenerator[Action, None]:
+        stream = _Stream(self._client, engine_id)
+        try:
+            try:
+                await stream.call.initial_metadata()
+            except grpc.aio.AioRpcError as error:
+                raise error_for(error) from error
+            stream.start_reading()
+            # A call refused before the server took it (no server, a bad
+            # token) has empty headers and is already done: no subscription.
+            # Its reader records the error, raised below.
+            if not stream.call.done():
+                async with self._changed:
+                    self._live = stream
+                    self._changed.notify_all()
+                on_subscribed()
+            while True:
+                while stream.actions:
+                    action = stream.actions.popleft()
+                    stream.room.set()
+                    yield action
+                if stream.ended:
+                    if stream.failure is not None:
+                        raise stream.failure
+                    return  # ended by the server: replaced, or shutting down
+                stream.arrived.clear()
+                await stream.arrived.wait()
+        finally:
+            if self._live is stream:
+                self._live = None
+            await stream.close()
+
+    # --- reports ---------------------------------------------------------------
+
+    def _usable(self) -> bool:
+        return self._live is not None and not self._live.ended
+
+    async def _report(self, request: pb.ConnectRequest) -> None:
+        timeout_s = self._client.timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._changed:
+                    await self._changed.wait_for(self._usable)
+                stream = self._live
+                assert stream is not None  # _usable, and nothing awaited since
+                self._last_request_id += 1
+                request.request_id = self._last_request_id
+                acknowledged = stream.send(request)
+                try:
+                    await acknowledged
+                finally:
+                    # Given up (deadline, cancel) or answered: either way its
+                    # ack no longer counts as owed.
+                    stream.pending.pop(request.request_id, None)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"no acknowledgement on Connect within {timeout_s:g} s"
+            ) from None
+
+
+class _Stream:
+    """One Connect call: the requests to write, a reader, the reports awaiting acks."""
+
+    def __init__(self, client: HandoffClient, engine_id: str) -> None:
+        self._requests: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+        self._requests.put_nowait(pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id)))
+        self.call = client._open_connect(self._outgoing())
+        self.pending: dict[int, asyncio.Future[None]] = {}
+        self.actions: deque[Action] = deque()
+        self.arrived = asyncio.Event()  # an action arrived, or the stream ended
+        self.room = asyncio.Event()  # the reader may read on
+        self.ended = False
+        self.failure: HandoffRpcError | None = None  # how the call failed, if it did
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _outgoing(self) -> AsyncIterator[pb.ConnectRequest]:
+        while True:
+            yield await self._requests.get()
+
+    def start_reading(self) -> None:
+        self._reader = asyncio.create_task(self._read())
+
+    def send(self, request: pb.ConnectRequest) -> asyncio.Future[None]:
+        """Queue ``request``; the future ends with its acknowledgement."""
+        acknowledged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.pending[request.request_id] = acknowledged
+        self._requests.put_nowait(request)
+        self.room.set()  # an ack is owed now: the reader must not stay parked
+        return acknowledged
+
+    async def _read(self) -> None:
+        try:
+            async for response in self.call:
+                if response.WhichOneof("kind") == "ack":
+                    self._acknowledge(response.ack)
+                else:
+                    self.actions.append(action_from_pb(response.action))
+                    self.arrived.set()
+                # Park while the sidecar is behind, but never while a report
+                # waits: its ack may come after actions the sidecar cannot
+                # take yet, and a handler may be waiting for that ack.
+                while len(self.actions) >= MAX_BUFFERED_ACTIONS and not self.pending:
+                    self.room.clear()
+                    await self.room.wait()
+        except grpc.aio.AioRpcError as error:
+            self.failure = error_for(error)
+            self.failure.__cause__ = error
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # close(): this reader itself is being cancelled
+            # The call was cancelled under it (its channel closed): a failure.
+            self.failure = CallCancelledError("the Connect call was cancelled")
+        finally:
+            self._end()
+
+    def _acknowledge(self, ack: pb.ConnectAck) -> None:
+        acknowledged = self.pending.pop(ack.request_id, None)
+        if acknowledged is None or acknowledged.done():
+            return  # its report stopped waiting (deadline, cancel)
+        if ack.code == grpc.StatusCode.OK.value[0]:
+            acknowledged.set_result(None)
+        else:
+            acknowledged.set_exception(error_for_status(ack.code, ack.message))
+
+    def _end(self) -> None:
+        self.ended = True
+        pending, self.pending = self.pending, {}
+        for acknowledged in pending.values():
+            if not acknowledged.done():
+                acknowledged.set_exception(
+                    UnavailableError("the Connect stream ended before the report was acknowledged")
+                )
+        self.arrived.set()
+
+    async def close(self) -> None:
+        self.call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            # wait(), not a bare await: the reader's CancelledError stays
+            # its own, and a cancel of the caller still propagates.
+            await asyncio.wait([self._reader])
+        self._end()
