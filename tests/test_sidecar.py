@@ -1,9 +1,15 @@
-"""EngineSidecar against a real server: handlers, ordering, cache, reconnects, limits."""
+"""EngineSidecar against a real server: handlers, ordering, cache, reconnects, limits.
+
+Every test that runs sidecars runs twice: on Connect (the default) and on the
+unary RPCs plus StreamActions. Connect-only behaviour is in
+tests/test_sidecar_connect.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
@@ -29,8 +35,9 @@ from handoff_client import (
     SidecarTransport,
     TimingMode,
     TransferTiming,
-    UnaryTransport,
+    TransportKind,
 )
+from handoff_client.transport import TRANSPORT_KINDS, make_transport
 from handoff_server.app import Server
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 
@@ -116,6 +123,8 @@ class WatchedTransport:
     server until ``release`` is set, so the action stays outstanding.
     ``redelivered`` is set once the sidecar has dispatched an action with
     attempt > 1 (the code after a yield runs when the consumer asks for more).
+    ``outcome_sent`` is set when an outcome report is handed to the inner
+    transport; ``ended_cleanly`` when a subscription ends without an error.
     """
 
     def __init__(self, inner: SidecarTransport, *, hold_first_outcome: bool = False) -> None:
@@ -123,6 +132,8 @@ class WatchedTransport:
         self.holding = asyncio.Event()
         self.release = asyncio.Event()
         self.redelivered = asyncio.Event()
+        self.outcome_sent = asyncio.Event()
+        self.ended_cleanly = asyncio.Event()
         self.yielded: defaultdict[ActionKind, int] = defaultdict(int)
         self.yielded_event: dict[tuple[ActionKind, int], asyncio.Event] = defaultdict(asyncio.Event)
         self._hold = hold_first_outcome
@@ -142,6 +153,7 @@ class WatchedTransport:
                 yield action
                 if action.attempt > 1:
                     self.redelivered.set()
+        self.ended_cleanly.set()
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         await self.inner.report_fact(handoff_id, fact)
@@ -151,6 +163,7 @@ class WatchedTransport:
             self._hold = False
             self.holding.set()
             await self.release.wait()
+        self.outcome_sent.set()
         await self.inner.report_outcome(handoff_id, action_id, outcome)
 
 
@@ -166,6 +179,13 @@ async def running(
         async with asyncio.timeout(TIMEOUT_S):
             await sidecar.wait_subscribed()
         yield sidecar
+
+
+@pytest.fixture(params=TRANSPORT_KINDS)
+def kind(request: pytest.FixtureRequest) -> TransportKind:
+    """The transport the test's sidecars use."""
+    kind: TransportKind = request.param
+    return kind
 
 
 @pytest.fixture
@@ -188,9 +208,14 @@ async def start(client: HandoffClient, stack: EngineType = EngineType.VLLM) -> s
 
 
 @pytest.mark.parametrize("stack", [EngineType.VLLM, EngineType.SGLANG])
-async def test_both_orders_run_to_success(client: HandoffClient, stack: EngineType) -> None:
+async def test_both_orders_run_to_success(
+    client: HandoffClient, stack: EngineType, kind: TransportKind
+) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
-    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode) as d:
+    async with (
+        running(client, SOURCE, prefill, transport=kind),
+        running(client, DESTINATION, decode, transport=kind) as d,
+    ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client, stack)
             await decode.notices[handoff_id].get()
@@ -215,10 +240,13 @@ async def test_both_orders_run_to_success(client: HandoffClient, stack: EngineTy
 
 
 async def test_cancel_during_decode_reopens_and_cancels_the_destination(
-    client: HandoffClient,
+    client: HandoffClient, kind: TransportKind
 ) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
-    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode):
+    async with (
+        running(client, SOURCE, prefill, transport=kind),
+        running(client, DESTINATION, decode, transport=kind),
+    ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client)
             await decode.notices[handoff_id].get()
@@ -232,10 +260,15 @@ async def test_cancel_during_decode_reopens_and_cancels_the_destination(
     assert len(completions) == 2
 
 
-async def test_a_redelivered_action_is_answered_from_the_cache(client: HandoffClient) -> None:
+async def test_a_redelivered_action_is_answered_from_the_cache(
+    client: HandoffClient, kind: TransportKind
+) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
-    watched = WatchedTransport(UnaryTransport(client), hold_first_outcome=True)
-    async with running(client, SOURCE, prefill), running(watched, DESTINATION, decode) as d:
+    watched = WatchedTransport(make_transport(client, kind), hold_first_outcome=True)
+    async with (
+        running(client, SOURCE, prefill, transport=kind),
+        running(watched, DESTINATION, decode) as d,
+    ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client)
             await watched.holding.wait()  # ReserveDestination ran; its ACCEPTED is held back
@@ -250,7 +283,9 @@ async def test_a_redelivered_action_is_answered_from_the_cache(client: HandoffCl
     assert d.stats.reconnects >= 1
 
 
-async def test_a_redelivery_while_the_handler_runs_is_ignored(client: HandoffClient) -> None:
+async def test_a_redelivery_while_the_handler_runs_is_ignored(
+    client: HandoffClient, kind: TransportKind
+) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
     entered, finish = asyncio.Event(), asyncio.Event()
 
@@ -260,8 +295,11 @@ async def test_a_redelivery_while_the_handler_runs_is_ignored(client: HandoffCli
         return await decode.reserved(action, facts)
 
     decode.overrides[ActionKind.RESERVE_DESTINATION] = slow_reserve
-    watched = WatchedTransport(UnaryTransport(client))
-    async with running(client, SOURCE, prefill), running(watched, DESTINATION, decode) as d:
+    watched = WatchedTransport(make_transport(client, kind))
+    async with (
+        running(client, SOURCE, prefill, transport=kind),
+        running(watched, DESTINATION, decode) as d,
+    ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client)
             await entered.wait()
@@ -285,14 +323,16 @@ async def replace_subscription(client: HandoffClient, engine_id: str) -> None:
     await intruder.aclose()
 
 
-async def test_sidecars_reconnect_to_a_restarted_server(start_lean_server: StartServer) -> None:
+async def test_sidecars_reconnect_to_a_restarted_server(
+    start_lean_server: StartServer, kind: TransportKind
+) -> None:
     port = free_port()
     prefill, decode = ScriptedEngine(), ScriptedEngine()
     first = await start_lean_server(port=port)
     async with (
         HandoffClient(f"127.0.0.1:{port}", channel_options=FAST_RECONNECT) as client,
-        running(client, SOURCE, prefill) as p,
-        running(client, DESTINATION, decode) as d,
+        running(client, SOURCE, prefill, transport=kind) as p,
+        running(client, DESTINATION, decode, transport=kind) as d,
         asyncio.timeout(TIMEOUT_S),
     ):
         await first.stop()  # the streams fail; the sidecars keep trying
@@ -305,14 +345,19 @@ async def test_sidecars_reconnect_to_a_restarted_server(start_lean_server: Start
     assert d.stats.reconnects >= 1
 
 
-async def test_a_handler_that_raises_fails_its_action(client: HandoffClient) -> None:
+async def test_a_handler_that_raises_fails_its_action(
+    client: HandoffClient, kind: TransportKind
+) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
 
     async def broken(action: Action, facts: Facts) -> Outcome:
         raise RuntimeError("CUDA error: out of memory")
 
     decode.overrides[ActionKind.RESERVE_DESTINATION] = broken
-    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode) as d:
+    async with (
+        running(client, SOURCE, prefill, transport=kind),
+        running(client, DESTINATION, decode, transport=kind) as d,
+    ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client)
             await decode.notices[handoff_id].get()
@@ -324,7 +369,7 @@ async def test_a_handler_that_raises_fails_its_action(client: HandoffClient) -> 
 
 
 async def test_a_cleanup_handler_that_raises_runs_again_on_redelivery(
-    start_lean_server: StartServer,
+    start_lean_server: StartServer, kind: TransportKind
 ) -> None:
     server = await start_lean_server(cleanup_redelivery_s=0.05)
     prefill, decode = ScriptedEngine(), ScriptedEngine()
@@ -341,8 +386,8 @@ async def test_a_cleanup_handler_that_raises_runs_again_on_redelivery(
     prefill.overrides[ActionKind.CANCEL_SOURCE] = flaky_cancel
     async with (
         HandoffClient(f"127.0.0.1:{server.port}") as client,
-        running(client, SOURCE, prefill) as p,
-        running(client, DESTINATION, decode),
+        running(client, SOURCE, prefill, transport=kind) as p,
+        running(client, DESTINATION, decode, transport=kind),
     ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client)
@@ -355,7 +400,7 @@ async def test_a_cleanup_handler_that_raises_runs_again_on_redelivery(
 
 @pytest.mark.parametrize("terminal", ["failed", "canceled"])
 async def test_engine_reported_terminal_facts_start_cleanup(
-    client: HandoffClient, terminal: str
+    client: HandoffClient, terminal: str, kind: TransportKind
 ) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
 
@@ -365,7 +410,10 @@ async def test_engine_reported_terminal_facts_start_cleanup(
         return Outcome(OutcomeKind.ACCEPTED)
 
     decode.overrides[ActionKind.RESERVE_DESTINATION] = reserve_then_break
-    async with running(client, SOURCE, prefill), running(client, DESTINATION, decode):
+    async with (
+        running(client, SOURCE, prefill, transport=kind),
+        running(client, DESTINATION, decode, transport=kind),
+    ):
         async with asyncio.timeout(TIMEOUT_S):
             handoff_id = await start(client)
             await decode.notices[handoff_id].get()
@@ -374,7 +422,9 @@ async def test_engine_reported_terminal_facts_start_cleanup(
     assert decode.count(ActionKind.CANCEL_DESTINATION) == 1
 
 
-async def test_handlers_run_at_most_max_concurrency_at_once(client: HandoffClient) -> None:
+async def test_handlers_run_at_most_max_concurrency_at_once(
+    client: HandoffClient, kind: TransportKind
+) -> None:
     prefill, decode = ScriptedEngine(), ScriptedEngine()
     active = peak = 0
     two_in, gate = asyncio.Event(), asyncio.Event()
@@ -390,8 +440,8 @@ async def test_handlers_run_at_most_max_concurrency_at_once(client: HandoffClien
         return await prefill.held(action, facts)
 
     prefill.overrides[ActionKind.SUBMIT_PREFILL] = gated_submit
-    watched = WatchedTransport(UnaryTransport(client))
-    async with running(client, DESTINATION, decode), asyncio.timeout(TIMEOUT_S):
+    watched = WatchedTransport(make_transport(client, kind))
+    async with running(client, DESTINATION, decode, transport=kind), asyncio.timeout(TIMEOUT_S):
         # Started before the prefill sidecar subscribes: the four actions queue
         # on the server and arrive together.
         handoff_ids = [await start(client) for _ in range(4)]
@@ -408,7 +458,7 @@ async def test_handlers_run_at_most_max_concurrency_at_once(client: HandoffClien
 
 
 async def test_stop_cancels_handlers_still_running_after_the_grace(
-    client: HandoffClient,
+    client: HandoffClient, kind: TransportKind
 ) -> None:
     prefill = ScriptedEngine()
     entered, cancelled = asyncio.Event(), asyncio.Event()
@@ -423,10 +473,69 @@ async def test_stop_cancels_handlers_still_running_after_the_grace(
         raise AssertionError("unreachable")
 
     prefill.overrides[ActionKind.SUBMIT_PREFILL] = stuck
-    sidecar = EngineSidecar(client, SOURCE, prefill, stop_grace_s=0.05)
+    sidecar = EngineSidecar(client, SOURCE, prefill, stop_grace_s=0.05, transport=kind)
     sidecar.start()
     async with asyncio.timeout(TIMEOUT_S):
         await start(client)
         await entered.wait()
         await sidecar.stop()
     assert cancelled.is_set()
+
+
+async def test_stop_lets_a_finishing_handler_report_within_the_grace(
+    client: HandoffClient, kind: TransportKind
+) -> None:
+    prefill = ScriptedEngine()
+    entered, finish = asyncio.Event(), asyncio.Event()
+
+    async def slow_submit(action: Action, facts: Facts) -> Outcome:
+        entered.set()
+        await finish.wait()
+        return Outcome(OutcomeKind.SUBMITTED)  # no SourceHeld: only the outcome matters
+
+    prefill.overrides[ActionKind.SUBMIT_PREFILL] = slow_submit
+    # A grace well below the report's deadline (TIMEOUT_S): a report that
+    # cannot go out (no stream left on Connect) is cut by the grace, not sent.
+    sidecar = EngineSidecar(client, SOURCE, prefill, stop_grace_s=2.0, transport=kind)
+    sidecar.start()
+    async with asyncio.timeout(TIMEOUT_S):
+        await sidecar.wait_subscribed()
+        handoff_id = await start(client)
+        await entered.wait()
+        finish.set()  # the handler returns during stop's grace ...
+        await sidecar.stop()
+        handoff = await client.get_handoff(handoff_id)
+    # ... and its SUBMITTED reached the server before the sidecar unsubscribed.
+    assert handoff.outstanding_actions == ()
+    assert sidecar.stats.reports_rejected == 0
+
+
+class CapRecorder(random.Random):
+    """Records the cap of every backoff draw; ``enough`` is set at the ``wanted``-th."""
+
+    def __init__(self, wanted: int) -> None:
+        super().__init__(0)
+        self.caps: list[float] = []
+        self.wanted = wanted
+        self.enough = asyncio.Event()
+
+    def uniform(self, a: float, b: float) -> float:
+        self.caps.append(b)
+        if len(self.caps) >= self.wanted:
+            self.enough.set()
+        return super().uniform(a, b)
+
+
+async def test_reconnect_backoff_grows_while_the_server_is_down(kind: TransportKind) -> None:
+    rng = CapRecorder(wanted=4)
+    async with HandoffClient(f"127.0.0.1:{free_port()}") as client:
+        sidecar = EngineSidecar(
+            client, SOURCE, ScriptedEngine(), reconnect_backoff=QUICK, rng=rng, transport=kind
+        )
+        sidecar.start()
+        async with asyncio.timeout(TIMEOUT_S):
+            await rng.enough.wait()
+        await sidecar.stop()
+    # A refused call is no subscription: the failures add up and the cap doubles.
+    assert rng.caps[:4] == [0.01, 0.02, 0.04, 0.08]
+    assert sidecar.stats.reconnects >= 4
