@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import StartServer
 
 HANDOFF = str(Path(sys.executable).with_name("handoff"))
@@ -36,6 +38,7 @@ def test_a_short_demo_ends_with_a_clean_summary(tmp_path: Path) -> None:
     assert done.returncode == 0, out + done.stderr
     # Not a terminal: progress comes as whole lines, never redrawn in place.
     assert "\r" not in out
+    assert out.splitlines()[0].endswith("simulated engines, sidecars on Connect")  # the default
     assert re.search(r"^\[[#-]+\]\s+\d+%.* load +\d+ started, \d+ in flight", out, re.MULTILINE)
     assert "leaked: 0 blocks" in out
     assert "stuck: 0" in out
@@ -46,7 +49,13 @@ def test_a_short_demo_ends_with_a_clean_summary(tmp_path: Path) -> None:
     assert f"logs: {log}" in out
 
 
-async def test_sim_runs_against_a_running_server(start_server: StartServer) -> None:
+@pytest.mark.parametrize(
+    ("transport", "sidecars"),
+    [("connect", "sidecars on Connect"), ("unary", "sidecars on StreamActions + unary reports")],
+)
+async def test_sim_runs_against_a_running_server(
+    start_server: StartServer, transport: str, sidecars: str
+) -> None:
     server = await start_server()
     process = await asyncio.create_subprocess_exec(
         HANDOFF,
@@ -55,6 +64,8 @@ async def test_sim_runs_against_a_running_server(start_server: StartServer) -> N
         f"127.0.0.1:{server.port}",
         "--metrics-url",
         f"http://127.0.0.1:{server.metrics_port}/metrics",
+        "--transport",
+        transport,
         *("--duration", "1.5", "--rate", "30", "--no-faults", "--seed", "3"),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
@@ -63,6 +74,7 @@ async def test_sim_runs_against_a_running_server(start_server: StartServer) -> N
         stdout, _ = await process.communicate()
     out = stdout.decode()
     assert process.returncode == 0, out
+    assert out.splitlines()[0].endswith(f"engines, {sidecars}")
     assert "leaked: 0 blocks" in out
     assert "killed: none" in out  # --no-faults
     assert number(r"handoffs: (\d+) started", out) == number(r"\n\s+started: (\d+)", out) > 0

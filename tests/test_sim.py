@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
 
 from handoff_client import (
     Completion,
+    ConnectTransport,
     EngineType,
     Handoff,
     HandoffClient,
@@ -18,6 +20,8 @@ from handoff_client import (
     Order,
     Phase,
     Role,
+    SidecarTransport,
+    UnaryTransport,
 )
 from handoff_client.sidecar import SidecarStats
 from handoff_client.sim.cluster import Cluster
@@ -29,6 +33,7 @@ from handoff_client.sim.report import percentile, render
 from handoff_client.sim.run import SimResult, simulate
 from handoff_client.sim.scrape import scrape
 from handoff_client.sim.workload import RequestBook
+from handoff_client.transport import TRANSPORT_KINDS, TransportKind
 from tests.conftest import StartServer, free_port
 
 TIMEOUT_S = 60.0
@@ -62,7 +67,10 @@ EVERY_FAULT = SimConfig(
 )
 
 
-async def test_every_fault_at_small_scale_leaks_nothing(start_server: StartServer) -> None:
+@pytest.mark.parametrize("transport", TRANSPORT_KINDS)
+async def test_every_fault_at_small_scale_leaks_nothing(
+    start_server: StartServer, transport: TransportKind
+) -> None:
     # Short server timers: the dead engine is noticed and its handoffs abandoned in time.
     server = await start_server(
         delivery_timeout_s=0.5, cleanup_timeout_s=1.0, cleanup_redelivery_s=0.1
@@ -71,7 +79,7 @@ async def test_every_fault_at_small_scale_leaks_nothing(start_server: StartServe
         HandoffClient(f"127.0.0.1:{server.port}") as client,
         asyncio.timeout(TIMEOUT_S),
     ):
-        result = await simulate(client, EVERY_FAULT)
+        result = await simulate(client, replace(EVERY_FAULT, transport=transport))
         metrics = await scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
     leaks, counters = result.leaks, result.counters
     assert leaks.leaks == ()
@@ -105,6 +113,8 @@ async def test_every_fault_at_small_scale_leaks_nothing(start_server: StartServe
     assert metrics.by_label("handoff_handoffs", "phase")["active"] == 0
     assert metrics.by_label("handoff_handoffs", "phase")["cleaning_up"] == 0
     assert "leaked: 0 blocks" in render(result, metrics)
+    # Every injected drop ended a live sidecar's stream, which reconnected.
+    assert result.sidecars.reconnects >= result.stream_drops
 
 
 def test_a_pool_gives_back_exactly_what_it_took() -> None:
@@ -212,11 +222,24 @@ def test_a_leak_fails_the_run_and_the_report_says_where() -> None:
         ({"load": LoadProfile(cancel_fraction=2.0)}, "cancel_fraction"),
         ({"faults": FaultProfile(dead_engines=20)}, "more dead and slow engines"),
         ({"settle_timeout_s": 5.0}, "must exceed the handoff timeout"),
+        ({"transport": "http"}, "transport must be one of connect, unary"),
     ],
 )
 def test_impossible_configs_are_refused(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SimConfig(**changes)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("transport", "expected"), [("connect", ConnectTransport), ("unary", UnaryTransport)]
+)
+async def test_the_fleet_uses_the_transport_asked_for(
+    transport: TransportKind, expected: type[SidecarTransport]
+) -> None:
+    config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)), transport=transport)
+    async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
+        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+    assert {type(node.sidecar.transport) for node in cluster.nodes} == {expected}
 
 
 async def test_a_dead_engine_never_takes_the_last_of_its_role() -> None:

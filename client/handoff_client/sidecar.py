@@ -198,6 +198,11 @@ class EngineSidecar:
         self._handler_errors = self._reconnects = self._rejected = 0
 
     @property
+    def transport(self) -> SidecarTransport:
+        """How this sidecar talks to the coordinator."""
+        return self._transport
+
+    @property
     def stats(self) -> SidecarStats:
         return SidecarStats(
             actions_received=self._received,

@@ -70,7 +70,11 @@ async def _sim(args: argparse.Namespace, config: SimConfig, metrics_url: str) ->
         tls_client_cert=args.tls_client_cert,
         tls_client_key=args.tls_client_key,
     ) as client:
-        print(f"simulating against {args.target}: {config.engine_count} engines", flush=True)
+        print(
+            f"simulating against {args.target}: {config.engine_count} engines, "
+            f"{options.sidecars_on(config)}",
+            flush=True,
+        )
         result = await simulate(client, config, sys.stdout)
     metrics: ServerMetrics | str
     try:

@@ -16,7 +16,7 @@ from handoff_client.sim.engine import SimEngine
 from handoff_client.sim.faults import FlakyTransport
 from handoff_client.sim.pool import KvBlockPool
 from handoff_client.sim.workload import RequestBook
-from handoff_client.transport import SidecarTransport, UnaryTransport
+from handoff_client.transport import make_transport
 
 # Simulated sidecars reconnect quickly: the demo's delivery timeout is short.
 SIM_RECONNECT = Backoff(initial_s=0.02, max_s=0.5)
@@ -67,7 +67,7 @@ class Cluster:
                         failure_rate=faults.action_failure_rate,
                     )
                     flaky = None
-                    transport: SidecarTransport = UnaryTransport(client)
+                    transport = make_transport(client, config.transport)
                     if faults.stream_drop_every_s > 0:
                         transport = flaky = FlakyTransport(
                             transport,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from handoff_client.model import EngineType
+from handoff_client.transport import TRANSPORT_KINDS, TransportKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,7 @@ class SimConfig:
     time_scale: float = 1.0  # multiplies every simulated duration
     settle_timeout_s: float = 45.0  # after the load: how long handoffs may take to finish
     seed: int | None = None
+    transport: TransportKind = "connect"  # how each sidecar talks to the coordinator
 
     def __post_init__(self) -> None:
         load, faults = self.load, self.faults
@@ -96,6 +98,8 @@ class SimConfig:
             raise ValueError("more dead and slow engines than engines")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
+        if self.transport not in TRANSPORT_KINDS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORT_KINDS)}")
         # A handoff waiting for a fact its dead engine never sends ends at its
         # deadline: the run must wait at least that long for it.
         if self.settle_timeout_s <= load.handoff_timeout_s:

@@ -70,7 +70,7 @@ async def _demo(config: SimConfig) -> bool:
         print(
             f"coordinator on 127.0.0.1:{server.port}, metrics on "
             f"http://127.0.0.1:{server.metrics_port}/metrics; "
-            f"{config.engine_count} simulated engines",
+            f"{config.engine_count} simulated engines, {options.sidecars_on(config)}",
             flush=True,
         )
         async with HandoffClient(f"127.0.0.1:{server.port}") as client:

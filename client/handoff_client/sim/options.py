@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from handoff_client.sim.config import FaultProfile, SimConfig
+from handoff_client.transport import TRANSPORT_KINDS
 
 
 def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
@@ -107,6 +108,13 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
         "--no-faults", action="store_true", help="turn every fault off, whatever else is given"
     )
     parser.add_argument(
+        "--transport",
+        choices=TRANSPORT_KINDS,
+        default=defaults.transport,
+        help="how the sidecars talk to the coordinator: one Connect stream per engine, "
+        "or StreamActions plus a unary call per report",
+    )
+    parser.add_argument(
         "--log-file",
         type=Path,
         default=None,
@@ -146,7 +154,15 @@ def config_from(args: argparse.Namespace, defaults: SimConfig) -> SimConfig:
         time_scale=args.time_scale,
         settle_timeout_s=args.settle_timeout,
         seed=args.seed,
+        transport=args.transport,
     )
+
+
+def sidecars_on(config: SimConfig) -> str:
+    """How the run's sidecars talk to the coordinator, for the first line of output."""
+    if config.transport == "connect":
+        return "sidecars on Connect"
+    return "sidecars on StreamActions + unary reports"
 
 
 class _ContextFormatter(logging.Formatter):
