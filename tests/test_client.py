@@ -15,6 +15,7 @@ from handoff_client import (
     ActionKind,
     Backoff,
     Canceled,
+    ConnectTransport,
     EngineType,
     HandoffClient,
     Order,
@@ -198,6 +199,11 @@ async def test_the_token_goes_with_every_call(start_lean_server: StartServer) ->
         async with contextlib.aclosing(client.stream_actions("prefill-0")) as actions:
             action = await anext(actions)
         assert action.kind is ActionKind.CANCEL_SOURCE
+        connect = ConnectTransport(client)
+        async with contextlib.aclosing(connect.subscribe("prefill-0", lambda: None)) as actions:
+            action = await anext(actions)  # redelivered, on Connect this time
+            await connect.report_outcome(handoff_id, action.id, Outcome(OutcomeKind.APPLIED))
+        assert (await client.get_handoff(handoff_id)).phase is Phase.COMPLETE
     for token in (None, "not-the-token-" + TOKEN):
         async with HandoffClient(target, token=token) as client, asyncio.timeout(TIMEOUT_S):
             calls = [
@@ -206,6 +212,7 @@ async def test_the_token_goes_with_every_call(start_lean_server: StartServer) ->
                 client.report_outcome(handoff_id, 1, Outcome(OutcomeKind.APPLIED)),
                 client.get_handoff(handoff_id),
                 anext(client.stream_actions("prefill-0")),
+                anext(ConnectTransport(client).subscribe("prefill-0", lambda: None)),
             ]
             for call in calls:
                 with pytest.raises(UnauthenticatedError):
