@@ -133,6 +133,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.tokens = tokens
         self.exempt = exempt
         self.identities = identities
+        # Method -> (handler found, its wrapper): gRPC looks handlers up on
+        # every call and finds the same object each time; wrap it once.
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
 
     async def intercept_service(
         self,
@@ -153,7 +156,12 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         handler = await continuation(handler_call_details)
         if handler is None or not method.startswith(SERVICE_PREFIX):
             return handler
-        return self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         rpc = method.removeprefix(SERVICE_PREFIX)
