@@ -9,6 +9,7 @@ connection through it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from handoff_client import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_client.connect import MAX_BUFFERED_ACTIONS
 from handoff_client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -126,6 +128,27 @@ async def test_a_report_with_no_stream_gives_up_at_the_client_deadline(
         async with asyncio.timeout(TIMEOUT_S):
             with pytest.raises(DeadlineExceededError):
                 await transport.report_fact(str(uuid.uuid4()), TransferCompleted())
+
+
+async def test_an_ack_behind_more_actions_than_the_buffer_holds_still_arrives(
+    client: HandoffClient,
+) -> None:
+    transport = ConnectTransport(client)
+    subscribed = asyncio.Event()
+    async with (
+        contextlib.aclosing(transport.subscribe(SOURCE, subscribed.set)) as actions,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        first = asyncio.create_task(anext(actions))  # the stream opens when read
+        await subscribed.wait()
+        # More SubmitPrefills than the reader buffers, one taken by the engine:
+        # the reader parks, and the ack of the report below comes after them all.
+        count = MAX_BUFFERED_ACTIONS + 44
+        handoff_ids = await asyncio.gather(*(start(client) for _ in range(count)))
+        await first
+        await transport.report_outcome(handoff_ids[-1], 0, Outcome(OutcomeKind.SUBMITTED))
+    handoff = await client.get_handoff(handoff_ids[-1])
+    assert handoff.outstanding_actions == ()
 
 
 @dataclass

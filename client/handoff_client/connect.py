@@ -39,7 +39,6 @@ from handoff_client.convert import action_from_pb, fact_to_pb, outcome_to_pb
 from handoff_client.errors import (
     CallCancelledError,
     DeadlineExceededError,
-    HandoffRpcError,
     UnavailableError,
     error_for,
     error_for_status,
@@ -161,7 +160,7 @@ class _Stream:
         self.arrived = asyncio.Event()  # an action arrived, or the stream ended
         self.room = asyncio.Event()  # the reader may read on
         self.ended = False
-        self.failure: HandoffRpcError | None = None  # how the call failed, if it did
+        self.failure: Exception | None = None  # why reading stopped, unless the server ended it
         self._reader: asyncio.Task[None] | None = None
 
     async def _outgoing(self) -> AsyncIterator[pb.ConnectRequest]:
@@ -202,6 +201,8 @@ class _Stream:
                 raise  # close(): this reader itself is being cancelled
             # The call was cancelled under it (its channel closed): a failure.
             self.failure = CallCancelledError("the Connect call was cancelled")
+        except Exception as error:  # e.g. an action this SDK cannot read: the sidecar logs it
+            self.failure = error
         finally:
             self._end()
 
