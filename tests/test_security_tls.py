@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import uuid
@@ -15,6 +16,7 @@ from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client import HandoffClient, RetryPolicy
 from handoff_client.errors import NotFoundError, UnavailableError
+from handoff_server import health
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.security import SecurityConfigError
@@ -131,3 +133,27 @@ def test_tls_settings_that_cannot_work_are_refused() -> None:
         Settings(tls_client_ca="ca.pem")
     with pytest.raises(ValueError, match="needs mutual TLS"):
         Settings(tls_cert="c", tls_key="k", engine_identity_file="ids.json")
+
+
+async def test_a_plaintext_health_port_serves_probes_and_nothing_else(
+    start_server: StartServer, pki: Pki
+) -> None:
+    server = await start_server(**pki.tls_settings(mutual=True), tokens=TOKEN, health_port=0)
+    assert server.health_port not in (0, server.port)
+    target = f"127.0.0.1:{server.health_port}"
+    # What the container's HEALTHCHECK and an exec probe run: plaintext, no token.
+    args = argparse.Namespace(target=target, service="", timeout=5.0)
+    assert await asyncio.to_thread(health.check, args) == (0, f"{target} service '' is SERVING")
+    async with asyncio.timeout(TIMEOUT_S), grpc.aio.insecure_channel(target) as plaintext:
+        stub = pb_grpc.HandoffCoordinatorStub(plaintext)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4())))
+        assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        watch = health_pb2_grpc.HealthStub(plaintext).Watch(
+            health_pb2.HealthCheckRequest(service="handoff.v1.HandoffCoordinator")
+        )
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        # Draining shows on the health port too, so readiness drops at once.
+        stopping = asyncio.create_task(server.stop())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await stopping

@@ -291,9 +291,7 @@ def test_readme_security_section_lists_every_security_flag() -> None:
     section = readme.partition("## Security")[2].partition("\n## ")[0]
     assert section, "README.md has no '## Security' section"
     names = [f.name for f in dataclasses.fields(Settings)]
-    # The security settings are the block appended after log_level.
-    security_settings = names[
-        names.index("tls_cert") : names.index("max_connection_age_grace_s") + 1
-    ]
+    # The security settings are one block, tls_cert to health_port.
+    security_settings = names[names.index("tls_cert") : names.index("health_port") + 1]
     for name in [*security_settings, "metrics_host", "max_queued_actions_per_engine"]:
         assert "--" + name.replace("_", "-") in section, name

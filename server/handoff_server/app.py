@@ -48,8 +48,10 @@ class Server:
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
+        self.health_port = 0
         self.engine_streams = EngineStreams(settings.max_engines)
         self._grpc: grpc.aio.Server | None = None
+        self._health_grpc: grpc.aio.Server | None = None
         self._metrics_server: Callable[[], None] | None = None
         self._timers: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
@@ -92,8 +94,12 @@ class Server:
             self.port = server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC on {settings.host}:{settings.port}")
+        health_server = self._health_only_server() if settings.health_port >= 0 else None
         await server.start()
         self._grpc = server
+        if health_server is not None:
+            await health_server.start()
+            self._health_grpc = health_server
         if settings.metrics_port >= 0:
             http, thread = start_http_server(
                 settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
@@ -125,8 +131,26 @@ class Server:
             settings.metrics_host,
             self.metrics_port,
         )
+        if self._health_grpc is not None:
+            log.info("health only, plaintext, on %s:%d", settings.health_host, self.health_port)
         if tokens is not None and credentials is None:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
+
+    def _health_only_server(self) -> grpc.aio.Server:
+        """The same health service on a plaintext port of its own, and nothing
+        else: the kubelet's gRPC probes speak neither TLS nor tokens, and a
+        serving status is no secret. Bound here, started with the main port."""
+        settings = self.settings
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", 1024)], maximum_concurrent_rpcs=64
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.health_port = server.add_insecure_port(
+            f"{settings.health_host}:{settings.health_port}"
+        )
+        if self.health_port == 0:
+            raise OSError(f"cannot bind health on {settings.health_host}:{settings.health_port}")
+        return server
 
     async def _run_timers(self) -> None:
         """Sleep until the registry's next timer (or an earlier one appears), then fire."""
@@ -172,6 +196,8 @@ class Server:
         self.registry.close_streams()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
+        if self._health_grpc is not None:
+            await self._health_grpc.stop(grace=None)
         if self._metrics_server is not None:
             self._metrics_server()
         log.info("stopped")

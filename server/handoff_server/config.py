@@ -114,6 +114,12 @@ class Settings:
     max_connection_age_grace_s: float = _setting(
         30.0, "then give its calls this long to finish before they are cut, in seconds"
     )
+    health_host: str = _setting("0.0.0.0", "address the plaintext health port binds")
+    health_port: int = _setting(
+        -1,
+        "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS "
+        "(the kubelet's); -1 disables, 0 picks a free one",
+    )
 
     def __post_init__(self) -> None:
         for setting in fields(self):
