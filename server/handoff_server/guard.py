@@ -179,8 +179,8 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
 
     def _wrap(self, rpc: str, handler: Handler) -> Handler:
-        input_type = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].methods_by_name[rpc]
-        type_name = input_type.input_type.full_name
+        descriptor = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].methods_by_name[rpc]
+        type_name = descriptor.input_type.full_name
         assert handler.request_deserializer is not None, f"{rpc} has no deserializer"
         deserialize = _tolerant(handler.request_deserializer, type_name)
         undecodable = f"the request is not a valid {type_name} message"
