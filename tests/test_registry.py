@@ -192,12 +192,18 @@ def test_work_for_an_engine_gone_longer_than_delivery_timeout_fails_at_once() ->
     assert h.phase(third) is Phase.ACTIVE
 
 
-def test_offline_engines_with_nothing_owed_are_forgotten() -> None:
-    h = Harness(delivery_timeout_s=10.0, retention_s=60.0)
-    h.registry.unsubscribe(h.subscribe("decode-gone"))
-    assert "decode-gone" in h.registry._channels
+def test_offline_engines_are_forgotten_once_nothing_hangs_on_them() -> None:
+    h = Harness(delivery_timeout_s=10.0, retention_s=60.0, cleanup_timeout_s=5.0)
+    h.registry.unsubscribe(h.subscribe("decode-idle"))
+    assert "decode-idle" not in h.registry._channels  # nothing hung on it
+    h.registry.unsubscribe(h.subscribe(DESTINATION))
+    h.start()  # the destination never comes back: failed, then abandoned
+    h.advance(10.0)
+    h.advance(5.0)
+    assert h.registry.active_count == 0
+    assert DESTINATION in h.registry._channels  # remembered as dead
     h.advance(60.0)
-    assert "decode-gone" not in h.registry._channels
+    assert DESTINATION not in h.registry._channels
 
 
 def test_resubscribing_redelivers_unacknowledged_actions_with_attempt_counts() -> None:

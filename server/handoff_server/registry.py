@@ -340,6 +340,11 @@ class Registry:
             return  # already replaced
         channel.subscription = None
         self.metrics.engine_streams.dec()
+        if not (channel.queue or channel.unacked or channel.handoffs):
+            # Nothing hangs on it: forget it now, so that streams opened under
+            # ever-new engine ids cannot pile up remembered channels.
+            del self._channels[channel.engine_id]
+            return
         now = self.clock()
         channel.epoch = next(self._epochs)
         channel.offline_since = now
