@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The handoff coordinator: `handoff serve` on 50051 (gRPC) and 9464 (/metrics).
+# The handoff coordinator: `handoff serve` on 50051 (gRPC), 9464 (/metrics) and
+# 8081 (plaintext gRPC health only, for the HEALTHCHECK and the kubelet's probes).
 #
 #   docker build -t handoff:0.1.0 .
 #   docker run --rm -p 50051:50051 -p 9464:9464 handoff:0.1.0
@@ -38,12 +39,20 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 WORKDIR /opt/handoff
 # Numeric, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.
 USER 10001:10001
-EXPOSE 50051 9464
+# The health port, on in the image although `handoff serve` leaves it off: it
+# serves only grpc.health.v1, in plaintext and without a token, so the
+# HEALTHCHECK below and the kubelet's gRPC probes keep working unchanged when
+# HANDOFF_TLS_CERT/KEY turn the gRPC port to TLS only; and it tells nothing but
+# SERVING or NOT_SERVING. Change or disable it (-1) with this variable, not
+# with --health-port: the HEALTHCHECK reads the variable.
+ENV HANDOFF_HEALTH_PORT=8081
+EXPOSE 50051 9464 8081
 # gRPC health (grpc.health.v1): healthy only while SERVING; a draining server
-# reports NOT_SERVING. Through sh for HANDOFF_PORT; `|| exit 1` keeps a usage
-# error (exit 2, which Docker reserves) from reaching Docker.
+# reports NOT_SERVING. Through sh to pick the port: HANDOFF_HEALTH_PORT when it
+# is > 0, else HANDOFF_PORT (plaintext only: it fails once TLS is on);
+# `|| exit 1` keeps a usage error (exit 2, which Docker reserves) from Docker.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["sh", "-c", "handoff health --target \"127.0.0.1:${HANDOFF_PORT:-50051}\" --timeout 3 || exit 1"]
+    CMD ["sh", "-c", "port=${HANDOFF_PORT:-50051}; if [ \"${HANDOFF_HEALTH_PORT:-0}\" -gt 0 ] 2>/dev/null; then port=$HANDOFF_HEALTH_PORT; fi; handoff health --target \"127.0.0.1:$port\" --timeout 3 || exit 1"]
 # Exec form: `handoff` is PID 1 and gets SIGTERM itself, drains, then exits 0.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["handoff", "serve"]

@@ -132,6 +132,9 @@ def test_settings_are_real_settings_with_valid_values() -> None:
     settings = Settings(**values)  # the server's own validation
     assert settings.host == "0.0.0.0"
     assert settings.metrics_host == "0.0.0.0"
+    # The kubelet probes the pod's IP; -1 (the server's default) would turn it off.
+    assert settings.health_host == "0.0.0.0"
+    assert settings.health_port > 0
     envs = container()["envFrom"]
     assert envs == [{"configMapRef": {"name": one("ConfigMap")["metadata"]["name"]}}]
 
@@ -156,16 +159,26 @@ def test_commented_security_settings_point_at_the_mounted_secrets() -> None:
         pytest.skip(f"not yet settings of handoff serve: {', '.join(unknown)}")
 
 
+def image_health_port() -> int:
+    """The image's `ENV HANDOFF_HEALTH_PORT=...`."""
+    (port,) = re.findall(r"^ENV HANDOFF_HEALTH_PORT=(\d+)$", DOCKERFILE.read_text(), re.M)
+    return int(port)
+
+
 def test_ports_agree_everywhere() -> None:
     env = settings_env()
     grpc_port, metrics_port = int(env["HANDOFF_PORT"]), int(env["HANDOFF_METRICS_PORT"])
+    health_port = int(env["HANDOFF_HEALTH_PORT"])
     assert (grpc_port, metrics_port) == (Settings().port, Settings().metrics_port)
+    assert health_port == image_health_port(), "the image and the pod use one health port"
     ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
+    assert ports == {"grpc": grpc_port, "metrics": metrics_port, "health": health_port}
+    assert len(set(ports.values())) == 3
     exposed = re.search(r"^EXPOSE (.+)$", DOCKERFILE.read_text(), re.M)
     assert exposed
     assert sorted(map(int, exposed.group(1).split())) == sorted(ports.values())
 
+    # Only the kubelet calls the health port: the Service and the policy leave it out.
     service = one("Service")["spec"]
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service["ports"]} == {
         "grpc": (grpc_port, "grpc"),
@@ -194,11 +207,19 @@ def test_selectors_match_the_pods_and_the_service() -> None:
     assert selects(one("ServiceMonitor")["spec"]["selector"]["matchLabels"], service_labels)
 
 
-def test_native_grpc_probes_on_the_grpc_port() -> None:
+def test_native_grpc_probes_on_the_health_port() -> None:
+    """The kubelet's gRPC probes speak plaintext without a token, so they call
+    the plaintext health port, never the gRPC port (TLS-only once TLS is on)."""
     handoff = container()
-    grpc_port = int(settings_env()["HANDOFF_PORT"])
+    env = settings_env()
+    health_port = int(env["HANDOFF_HEALTH_PORT"])
+    assert health_port != int(env["HANDOFF_PORT"])
+    (named,) = (p for p in handoff["ports"] if p["name"] == "health")
+    assert named["containerPort"] == health_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert handoff[probe]["grpc"]["port"] == grpc_port, probe
+        assert set(handoff[probe]) & {"grpc", "exec", "httpGet", "tcpSocket"} == {"grpc"}, probe
+        assert handoff[probe]["grpc"]["port"] == health_port, probe
+    # The health port shares the server's health service, which sets this name too.
     assert handoff["readinessProbe"]["grpc"]["service"] == SERVICE_NAME
 
 
