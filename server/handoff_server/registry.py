@@ -396,7 +396,13 @@ class Registry:
             elif kind == "abandon":
                 self._abandon(entry)
         self._expire_retained(now)
-        self._timers.compact(len(self.handoffs) + len(self._channels))
+        self._timers.compact(self._live_timers_bound())
+
+    def _live_timers_bound(self) -> int:
+        """How many timers can matter: two per unfinished handoff (its deadline,
+        or redelivery and abandonment) and two per engine channel. Retained
+        handoffs have none, so their stale deadlines are not kept for them."""
+        return 2 * self.active_count + 2 * len(self._channels)
 
     def _timer_is_live(self, timer: Timer) -> bool:
         kind, key = timer.key
@@ -417,6 +423,9 @@ class Registry:
     def _schedule(self, when: float, key: tuple[str, str], token: object) -> None:
         earliest = self._timers.next_at()
         self._timers.schedule(when, key, token)
+        # Here, not only when timers fire: the loop may sleep for hours while
+        # every handoff leaves stale timers behind.
+        self._timers.compact(self._live_timers_bound())
         if earliest is None or when < earliest:
             self._on_earlier_timer()
 
@@ -681,6 +690,11 @@ class Registry:
     def _retain(self, handoff_id: str, now: float) -> None:
         self._retained.pop(handoff_id, None)
         self._retained[handoff_id] = now + self.settings.retention_s
+        if len(self._retained) == 1:
+            # The first expiry may come before the timer loop's next wake-up
+            # (a deadline hours away): without this the loop slept through
+            # retention, and stale timers were never compacted meanwhile.
+            self._on_earlier_timer()
         while len(self._retained) > self.settings.max_retained:
             oldest, _ = self._retained.popitem(last=False)
             self._remove(self.handoffs[oldest])
