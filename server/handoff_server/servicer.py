@@ -231,12 +231,13 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> None:
         try:
             async for request in requests:
-                acks.append(pb.ConnectResponse(ack=self._report(request)))
+                acks.append(self._report(request))
                 ready.set()
         finally:
             ready.set()
 
-    def _report(self, request: pb.ConnectRequest) -> pb.ConnectAck:
+    def _report(self, request: pb.ConnectRequest) -> pb.ConnectResponse:
+        """The acknowledgement of one report, ready to write."""
         which = request.WhichOneof("kind")
         try:
             if which == "fact":
@@ -247,14 +248,22 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 self.answer("Connect", "connect", _unexpected_hello)
                 raise AssertionError("unreachable")
         except Rejection as rejection:
-            return pb.ConnectAck(
-                request_id=request.request_id,
-                code=rejection.code.value[0],
-                message=rejection.message,
+            return pb.ConnectResponse(
+                ack=pb.ConnectAck(
+                    request_id=request.request_id,
+                    code=rejection.code.value[0],
+                    message=rejection.message,
+                )
             )
-        return pb.ConnectAck(
-            request_id=request.request_id, handoff=answer.handoff, actions=answer.actions
-        )
+        # Filled in place: a sub-message given to a constructor is copied, and
+        # nesting the ack that way copied the whole handoff twice per report.
+        response = pb.ConnectResponse()
+        ack = response.ack
+        ack.SetInParent()
+        ack.request_id = request.request_id
+        ack.handoff.CopyFrom(answer.handoff)
+        ack.actions.extend(answer.actions)
+        return response
 
 
 @dataclass(frozen=True, slots=True)
