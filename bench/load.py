@@ -122,7 +122,8 @@ class Book:
         if self.counting:
             self.result.completed += 1
         self.result.total_completed += 1
-        flight.done.set_result(None)
+        if not flight.done.done():  # canceled when the drain gave up on it
+            flight.done.set_result(None)
 
 
 class Engine:
