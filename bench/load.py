@@ -90,6 +90,7 @@ class LoadResult:
     fact_to_action_s: list[float] = field(default_factory=list)
     rejected: int = 0  # StartHandoff refusals and rejected reports; should stay 0
     unfinished: int = 0  # still in flight when the drain gave up
+    skipped: int = 0  # open-loop starts not made: a second's worth was already in flight
     client_cpu_s: float = 0.0
 
 
@@ -363,13 +364,22 @@ class Frontend:
         await asyncio.gather(*(worker() for _ in range(self.spec.concurrency)))
 
     async def open_loop(self, rate: float) -> None:
-        """Start handoffs at ``rate`` per second, whether or not earlier ones finished."""
+        """Start handoffs at ``rate`` per second, whether or not earlier ones finished.
+
+        At most one second's worth may be in flight: if the machine stalls (it
+        is shared), starts are skipped and counted rather than piled up, so a
+        soak measures the server's memory, not an unbounded backlog.
+        """
         flying: set[asyncio.Task[None]] = set()
+        cap = max(64, int(rate))
         began = time.perf_counter()
         launched = 0
         while not self.stopping:
             due = int((time.perf_counter() - began) * rate)
             for _ in range(due - launched):
+                if len(flying) >= cap:
+                    self.book.result.skipped += 1
+                    continue
                 task = asyncio.create_task(self.one())
                 flying.add(task)
                 task.add_done_callback(flying.discard)

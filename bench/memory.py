@@ -95,14 +95,15 @@ def soak(
     """
     assert spec.rate is not None
     retention_s = float(spec_retention(server))
+    target = server.target  # waits until it serves, so "fresh" is a started server
     outcome = Soak(spec.rate, spec.duration_s, retention_s, fresh_rss=server.rss_bytes())
     pool.apply(
         run_in_process,
-        (replace(spec, target=server.target, duration_s=warmup_s, warmup_s=0.0),),
+        (replace(spec, target=target, duration_s=warmup_s, warmup_s=0.0),),
     )
     outcome.baseline_rss = server.settled_rss(retention_s + quiet_s)
     log(f"soak: baseline RSS {outcome.baseline_rss / 2**20:.1f} MiB; load for {spec.duration_s} s")
-    running = pool.apply_async(run_in_process, (replace(spec, target=server.target),))
+    running = pool.apply_async(run_in_process, (replace(spec, target=target),))
     began = time.monotonic()
     next_log = began + 60.0
     while not running.ready():

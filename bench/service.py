@@ -88,6 +88,7 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
         merged.total_completed += r.total_completed
         merged.rejected += r.rejected
         merged.unfinished += r.unfinished
+        merged.skipped += r.skipped
         merged.client_cpu_s += r.client_cpu_s
         merged.handoff_s += r.handoff_s
         merged.fact_to_action_s += r.fact_to_action_s
@@ -338,7 +339,8 @@ def soak_table(s: memory.Soak) -> list[str]:
     achieved = r.completed / r.window_s if r.window_s else 0.0
     return [
         "",
-        f"Soak: {s.rate:,.0f} handoffs/s asked, {achieved:,.0f}/s completed, for "
+        f"Soak: {s.rate:,.0f} handoffs/s asked, {achieved:,.0f}/s completed "
+        f"({r.skipped:,} starts skipped while a second's worth was in flight), for "
         f"{s.duration_s:.0f} s on the streaming path; retention {s.retention_s:g} s. "
         f"RSS fresh {mib(s.fresh_rss)}, baseline {mib(s.baseline_rss)} (after a warm-up at "
         f"the same rate, its retention expired), peak {mib(s.peak_rss)}, final "
