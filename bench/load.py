@@ -60,7 +60,6 @@ ANSWERS: dict[int, tuple[OutcomeKind, pb.Fact | None]] = {
     pb.ACTION_KIND_CANCEL_DESTINATION: (pb.OUTCOME_KIND_APPLIED, None),
 }
 COMPLETE = pb.ACTION_KIND_COMPLETE
-START_TRANSFER = pb.ACTION_KIND_START_TRANSFER
 ORDERS = (pb.HANDOFF_ORDER_SOURCE_FIRST, pb.HANDOFF_ORDER_DESTINATION_FIRST)
 DRAIN_S = 30.0  # how long in-flight handoffs may take to finish after the window
 
@@ -75,7 +74,6 @@ class LoadSpec:
     warmup_s: float = 2.0  # before the window; nothing recorded
     rate: float | None = None  # handoffs/s started at a fixed pace (open loop) when set
     count: int | None = None  # stop after this many handoffs (then no window)
-    hold: bool = False  # stop each handoff once its transfer is scheduled
     frontend_only: bool = False  # no engines: each handoff stays started, its first action queued
     shard: int = 0  # engine ids are distinct per shard, so shards never share a stream
 
@@ -95,7 +93,7 @@ class LoadResult:
 
 
 class Flight:
-    """One handoff the frontend started, until its Completes (or its hold) arrive."""
+    """One handoff the frontend started, until its Completes arrive."""
 
     __slots__ = ("started_at", "fact_at", "completes", "done")
 
@@ -109,10 +107,9 @@ class Flight:
 class Book:
     """What is in flight, and the samples taken while ``recording``."""
 
-    def __init__(self, result: LoadResult, hold: bool) -> None:
+    def __init__(self, result: LoadResult) -> None:
         self.flights: dict[str, Flight] = {}
         self.result = result
-        self.hold = hold
         self.recording = False
         self.counting = True  # count completions (the window, or every one with ``count``)
 
@@ -150,12 +147,6 @@ class Engine:
                 book.result.fact_to_action_s.append(time.perf_counter() - flight.fact_at)
             flight.fact_at = None
         outcome, fact = ANSWERS[action.kind]
-        if book.hold and action.kind == START_TRANSFER:
-            # Parked mid-flight with the transfer scheduled: the largest state a
-            # live handoff has. The report's ack (or answer) is awaited by close().
-            self.report(action.handoff_id, action.id, outcome, None, flight)
-            book.finish(action.handoff_id, flight)
-            return
         self.report(action.handoff_id, action.id, outcome, fact, flight)
 
     def report(
@@ -391,7 +382,7 @@ class Frontend:
 
 async def run(spec: LoadSpec) -> LoadResult:
     result = LoadResult()
-    book = Book(result, spec.hold)
+    book = Book(result)
     cpu_before = os.times()
     # One channel per role, as separate frontend and sidecar processes would have.
     async with (

@@ -261,10 +261,10 @@ def run_phases(
     if measured:
         lines += throughput_table(measured)
     if "memory" in phases:
-        hold = replace(base, concurrency=max(plan.concurrency, 256), frontend_only=True)
+        started = replace(base, concurrency=max(plan.concurrency, 256), frontend_only=True)
         say(f"memory: {plan.live:,} live handoffs")
         live = memory.per_handoff(
-            pool, servers["live"], hold, plan.live, plan.memory_warmup, plan.quiet_s
+            pool, servers["live"], started, plan.live, plan.memory_warmup, plan.quiet_s
         )
         say(f"memory: {plan.retained:,} retained handoffs")
         retained = memory.per_handoff(
