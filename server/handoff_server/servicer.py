@@ -27,6 +27,9 @@ log = logging.getLogger("handoff.servicer")
 
 R = TypeVar("R")
 STREAM_BATCH = 256
+# Built once: OutcomeKind.values() makes a new list on every call, and every
+# outcome report names its kind.
+OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
 
 
 def _shown(handoff_id: str) -> str:
@@ -130,11 +133,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         return self.answer(rpc, subject, work)
 
     def report_outcome(self, request: pb.ReportOutcomeRequest, rpc: str) -> Answer:
-        kind = (
-            pb.OutcomeKind.Name(request.outcome.kind)
-            if request.outcome.kind in pb.OutcomeKind.values()
-            else str(request.outcome.kind)
-        )
+        kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
         subject = (
             f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
         )
