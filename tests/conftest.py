@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -14,28 +15,38 @@ from handoff_server.config import Settings
 StartServer = Callable[..., Awaitable[Server]]
 
 
+LOOPBACK: dict[str, Any] = {
+    "host": "127.0.0.1",
+    "port": 0,
+    "metrics_host": "127.0.0.1",
+    "metrics_port": 0,
+    "drain_grace_s": 0.1,
+}
+
+
+@contextlib.asynccontextmanager
+async def servers(defaults: dict[str, Any]) -> AsyncIterator[StartServer]:
+    """A starter of real servers (``defaults`` | overrides); all are stopped on exit."""
+    started: list[Server] = []
+
+    async def start(**overrides: Any) -> Server:
+        server = Server(Settings(**(defaults | overrides)))
+        await server.start()
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            await server.stop()
+
+
 @pytest.fixture
 async def start_server() -> AsyncIterator[StartServer]:
     """Start real servers on free loopback ports; each is stopped at teardown."""
-    servers: list[Server] = []
-
-    async def start(**overrides: Any) -> Server:
-        loopback: dict[str, Any] = {
-            "host": "127.0.0.1",
-            "port": 0,
-            "metrics_host": "127.0.0.1",
-            "metrics_port": 0,
-            "drain_grace_s": 0.1,
-        }
-        settings = Settings(**(loopback | overrides))
-        server = Server(settings)
-        await server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        await server.stop()
+    async with servers(LOOPBACK) as start:
+        yield start
 
 
 @pytest.fixture
@@ -60,27 +71,9 @@ def free_port() -> int:
 
 @pytest.fixture
 async def start_lean_server() -> AsyncIterator[StartServer]:
-    """Like ``start_server``, without a metrics endpoint (stopping one takes 0.5 s).
-
-    Any setting can be overridden, the port included.
-    """
-    servers: list[Server] = []
-
-    async def start(**overrides: Any) -> Server:
-        defaults: dict[str, Any] = {
-            "host": "127.0.0.1",
-            "port": 0,
-            "metrics_port": -1,
-            "drain_grace_s": 0.1,
-        }
-        server = Server(Settings(**(defaults | overrides)))
-        await server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        await server.stop()
+    """Like ``start_server``, without a metrics endpoint (stopping one takes 0.5 s)."""
+    async with servers(LOOPBACK | {"metrics_port": -1}) as start:
+        yield start
 
 
 @pytest.fixture
