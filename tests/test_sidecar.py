@@ -337,6 +337,7 @@ async def test_sidecars_reconnect_to_a_restarted_server(
     ):
         await first.stop()  # the streams fail; the sidecars keep trying
         await start_lean_server(port=port)
+        await client.wait_ready()  # StartHandoff is never retried
         handoff_id = await start(client)  # its actions wait for the engines
         await decode.notices[handoff_id].get()
         handoff = await client.get_handoff(handoff_id)

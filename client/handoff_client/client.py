@@ -110,6 +110,15 @@ class HandoffClient:
         # grace period would keep long-lived streams open until it expired.
         await self._channel.close(None)
 
+    async def wait_ready(self) -> None:
+        """Until the channel is connected, e.g. after the server restarted.
+
+        StartHandoff is never retried (a lost answer would turn a retry into
+        ALREADY_EXISTS for the caller's own handoff), so a caller that knows
+        the server was down can wait here first. Bound it with asyncio.timeout.
+        """
+        await self._channel.channel_ready()
+
     # --- calls ------------------------------------------------------------
 
     async def start_handoff(
