@@ -11,6 +11,8 @@ it was (DESIGN.md, correction 5).
 from __future__ import annotations
 
 import math
+import operator
+from dataclasses import dataclass
 
 from handoff_server.model import (
     ALLOWED_OUTCOMES,
@@ -165,6 +167,16 @@ class Handoff:
                 value = tuple(value)
             values.append(value)
         return tuple(values)
+
+    def pack(self) -> Completed:
+        """This completed handoff in a few words, for as long as it is retained."""
+        completion = self._completion
+        assert completion is not None, "only a completed handoff is packed"
+        assert not self._issued, "a completed handoff's journal is empty"
+        ending = Ending(self.order, completion, tuple(self._lifecycle), _rest_of(self))
+        return Completed(
+            self.handoff_id, self.fallback_transfer_delay_ms, _ENDINGS.setdefault(ending, ending)
+        )
 
     def clone(self) -> Handoff:
         """An independent copy, for callers that must undo a call that crashed."""
@@ -358,6 +370,11 @@ class Handoff:
         action = self._issue(DO_COMPLETE)
         self._issued.clear()
         self._outcomes.clear()
+        # Read only while ACTIVE, which a handoff never is again. Forgotten so
+        # that every completed core is one of a few states (see Ending).
+        self._transfer_timing = None
+        self._transferable_tokens = 0
+        self._transfer_delay_ms = 0.0
         self._lifecycle.append(EV_COMPLETED)
         return action
 
@@ -366,3 +383,82 @@ class Handoff:
         self._next_action_id += 1
         self._issued[action.id] = action
         return action
+
+
+# Every slot a completed core keeps but its identity, its journal (empty once
+# complete) and what Ending names on its own.
+_REST_SLOTS = tuple(
+    name
+    for name in Handoff.__slots__
+    if name
+    not in (
+        "handoff_id",
+        "fallback_transfer_delay_ms",
+        "order",
+        "_completion",
+        "_lifecycle",
+        "_issued",
+        "_outcomes",
+    )
+)
+_rest_of = operator.attrgetter(*_REST_SLOTS)
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """How a handoff ended: all of a completed core but its id and fallback delay.
+
+    Every value in it comes from a small finite set (enums, flags, an action
+    counter below ten, at most seven lifecycle events; the transfer's sizes
+    are forgotten on completion), so few distinct endings exist and the
+    handoffs that ended alike share one.
+    """
+
+    order: Order
+    completion: Completion
+    lifecycle: tuple[LifecycleEvent, ...]
+    rest: tuple[object, ...]  # the other slots' values, in _REST_SLOTS order
+
+
+_ENDINGS: dict[Ending, Ending] = {}  # each distinct ending once, shared by all that end so
+
+
+class Completed:
+    """A completed handoff as :meth:`Handoff.pack` packs it: reads like one, and
+    :meth:`unpack` gives back exactly the core it was packed from."""
+
+    __slots__ = ("handoff_id", "fallback_transfer_delay_ms", "ending")
+
+    def __init__(self, handoff_id: str, fallback_transfer_delay_ms: float, ending: Ending) -> None:
+        self.handoff_id = handoff_id
+        self.fallback_transfer_delay_ms = fallback_transfer_delay_ms
+        self.ending = ending
+
+    @property
+    def order(self) -> Order:
+        return self.ending.order
+
+    @property
+    def phase(self) -> Phase:
+        return COMPLETE
+
+    @property
+    def completion(self) -> Completion:
+        return self.ending.completion
+
+    @property
+    def lifecycle(self) -> tuple[LifecycleEvent, ...]:
+        return self.ending.lifecycle
+
+    def unpack(self) -> Handoff:
+        core = object.__new__(Handoff)
+        for name, value in zip(_REST_SLOTS, self.ending.rest, strict=True):
+            setattr(core, name, value)
+        core.handoff_id = self.handoff_id
+        core.fallback_transfer_delay_ms = self.fallback_transfer_delay_ms
+        core.order = self.ending.order
+        core._completion = self.ending.completion
+        core._lifecycle = list(self.ending.lifecycle)
+        core._issued = {}
+        core._outcomes = {}
+        return core
