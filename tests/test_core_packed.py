@@ -55,6 +55,7 @@ def test_unpacking_gives_back_the_same_state_and_the_reads_agree() -> None:
     for handoff in [*handoffs, reopened, canceled]:
         packed = handoff.pack()
         assert packed.unpack().snapshot() == handoff.snapshot()
+        assert packed.snapshot() == handoff.snapshot()
         assert packed.handoff_id == handoff.handoff_id
         assert packed.fallback_transfer_delay_ms == handoff.fallback_transfer_delay_ms
         assert (packed.order, packed.phase, packed.completion, packed.lifecycle) == (

@@ -33,7 +33,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Dispatch, Entry, Role, StartRequest
+from handoff_server.registry import Dispatch, Entry, Retained, Role, StartRequest
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Already canonical: uuid.UUID would parse it only to print it back unchanged.
@@ -253,7 +253,7 @@ def outstanding_action(entry: Entry, core_action: Action) -> pb.Action:
     return action(Dispatch(entry.handoff_id, core_action, role, engines[0]))
 
 
-def handoff(entry: Entry) -> pb.Handoff:
+def handoff(entry: Entry | Retained) -> pb.Handoff:
     core = entry.core
     completion = core.completion
     message = pb.Handoff(
@@ -266,8 +266,7 @@ def handoff(entry: Entry) -> pb.Handoff:
         transfer_executor=ROLES[entry.transfer_executor],
         fallback_transfer_delay_ms=core.fallback_transfer_delay_ms,
     )
-    outstanding = core.outstanding
-    if outstanding:
+    if isinstance(entry, Entry) and (outstanding := entry.core.outstanding):
         message.outstanding_actions.extend([outstanding_action(entry, a) for a in outstanding])
     add_event = message.lifecycle.add
     for event, at in zip(core.lifecycle, entry.lifecycle_at, strict=True):

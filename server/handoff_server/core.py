@@ -450,6 +450,10 @@ class Completed:
     def lifecycle(self) -> tuple[LifecycleEvent, ...]:
         return self.ending.lifecycle
 
+    def snapshot(self) -> tuple[object, ...]:
+        """The snapshot of the core it was packed from."""
+        return self.unpack().snapshot()
+
     def unpack(self) -> Handoff:
         core = object.__new__(Handoff)
         for name, value in zip(_REST_SLOTS, self.ending.rest, strict=True):

@@ -11,12 +11,16 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+import sys
+from array import array
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
 
 from handoff_server.config import Settings
-from handoff_server.core import Handoff
+from handoff_server.core import Completed, Handoff
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     CLEANUP_KINDS,
@@ -100,8 +104,14 @@ class Dispatch:
     attempt: int = 0
 
 
+Routed = tuple[float, ActionKind, tuple[str, ...]]  # issued at, kind, engines it went to
+
+
 class Entry:
-    """A handoff and what the registry knows about it beyond the core."""
+    """A handoff in full: its core and what the registry knows beyond it.
+
+    Unfinished handoffs are kept as these; completed ones are packed (Retained).
+    """
 
     __slots__ = (
         "core",
@@ -118,17 +128,24 @@ class Entry:
         "redelivery_round",
     )
 
-    def __init__(self, core: Handoff, request: StartRequest, now: float, deadline: float) -> None:
+    def __init__(
+        self,
+        core: Handoff,
+        source_engine_id: str,
+        destination_engine_id: str,
+        transfer_executor: Role,
+        started_at: float,
+        deadline: float,
+    ) -> None:
         self.core = core
-        self.source_engine_id = request.source_engine_id
-        self.destination_engine_id = request.destination_engine_id
-        self.transfer_executor = request.transfer_executor
-        self.started_at = now
+        self.source_engine_id = source_engine_id
+        self.destination_engine_id = destination_engine_id
+        self.transfer_executor = transfer_executor
+        self.started_at = started_at
         self.deadline = deadline
         self.completed_at: float | None = None
         self.lifecycle_at: list[float] = []  # when each core.lifecycle event was proven
-        # Outstanding actions: id -> (issued at, kind, engines it went to).
-        self.routed: dict[int, tuple[float, ActionKind, tuple[str, ...]]] = {}
+        self.routed: dict[int, Routed] = {}  # outstanding actions by id
         self.held_at: float | None = None
         self.cleanup_epoch = 0  # bumps each time cleanup (re)starts; stales old timers
         self.redelivery_round = 0
@@ -148,6 +165,64 @@ class Entry:
 
     def role_of(self, kind: ActionKind) -> Role:
         return self.transfer_executor if kind is ActionKind.START_TRANSFER else ROLE_OF[kind]
+
+
+class Retained:
+    """A completed handoff, kept for late reports, GetHandoff and id reuse checks.
+
+    Up to max_retained of these live for retention_s each, so a retained
+    handoff keeps a packed core, names shared with every other handoff of its
+    engines, and its timestamps as one bytes object: about a fifth of an
+    Entry. A call that reaches it runs on an unpacked Entry (see unpack).
+    """
+
+    __slots__ = ("core", "source_engine_id", "destination_engine_id", "transfer_executor", "_times")
+
+    # Nothing is outstanding once complete; read by security.authorize_report.
+    routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
+
+    def __init__(self, entry: Entry) -> None:
+        assert entry.completed_at is not None
+        self.core: Completed = entry.core.pack()
+        self.source_engine_id = entry.source_engine_id
+        self.destination_engine_id = entry.destination_engine_id
+        self.transfer_executor = entry.transfer_executor
+        times = (entry.started_at, entry.deadline, entry.completed_at, *entry.lifecycle_at)
+        self._times = array("d", times).tobytes()
+
+    @property
+    def handoff_id(self) -> str:
+        return self.core.handoff_id
+
+    @property
+    def started_at(self) -> float:
+        return array("d", self._times)[0]
+
+    @property
+    def deadline(self) -> float:
+        return array("d", self._times)[1]
+
+    @property
+    def completed_at(self) -> float:
+        return array("d", self._times)[2]
+
+    @property
+    def lifecycle_at(self) -> list[float]:
+        return array("d", self._times)[3:].tolist()
+
+    def unpack(self) -> Entry:
+        """The full Entry again, for a call that may change the handoff."""
+        entry = Entry(
+            self.core.unpack(),
+            self.source_engine_id,
+            self.destination_engine_id,
+            self.transfer_executor,
+            self.started_at,
+            self.deadline,
+        )
+        entry.completed_at = self.completed_at
+        entry.lifecycle_at = self.lifecycle_at
+        return entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +290,11 @@ class Registry:
         self.clock = clock
         self._on_earlier_timer = on_earlier_timer
         self._on_idle: list[Callable[[], None]] = []
-        self.handoffs: dict[str, Entry] = {}
-        self._retained: OrderedDict[str, float] = OrderedDict()  # id -> expiry, oldest first
+        self.handoffs: dict[str, Entry | Retained] = {}
+        # Oldest first. A record stays here when its handoff is reopened (it is
+        # skipped once it reaches the front), so leaving costs nothing.
+        self._retained: deque[Retained] = deque()
+        self._retained_count = 0
         self._channels: dict[str, EngineChannel] = {}
         self._timers = TimerHeap(self._timer_is_live)
         self._doomed: dict[str, None] = {}  # handoffs routed to an unreachable engine
@@ -228,9 +306,9 @@ class Registry:
     @property
     def active_count(self) -> int:
         """Handoffs not complete: active or cleaning up."""
-        return len(self.handoffs) - len(self._retained)
+        return len(self.handoffs) - self._retained_count
 
-    def get(self, handoff_id: str) -> Entry:
+    def get(self, handoff_id: str) -> Entry | Retained:
         entry = self.handoffs.get(handoff_id)
         if entry is None:
             raise NotFound("no such handoff (never started, or no longer retained)")
@@ -269,7 +347,16 @@ class Registry:
         timeout = (
             self.settings.default_timeout_s if request.timeout_s is None else request.timeout_s
         )
-        entry = Entry(core, request, now, now + timeout)
+        # Interned: every request parses its own copy of its engines' names,
+        # and a retained handoff would otherwise keep both for retention_s.
+        entry = Entry(
+            core,
+            sys.intern(request.source_engine_id),
+            sys.intern(request.destination_engine_id),
+            request.transfer_executor,
+            now,
+            now + timeout,
+        )
         self.handoffs[request.handoff_id] = entry
         self.metrics.started.inc()
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
@@ -278,13 +365,13 @@ class Registry:
         return CallResult(entry, self._call(entry, Handoff.start))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
-        entry = self.get(handoff_id)
+        entry = self._unpacked(handoff_id)
         dispatches = self._call(entry, lambda core: core.apply_fact(fact))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], origin)].inc()
         return CallResult(entry, dispatches)
 
     def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> CallResult:
-        entry = self.get(handoff_id)
+        entry = self._unpacked(handoff_id)
         acknowledging = entry.core.is_outstanding(action_id)
         dispatches = self._call(
             entry,
@@ -295,7 +382,11 @@ class Registry:
 
     def cancel_active(self, reason: str) -> int:
         """Report Canceled on every ACTIVE handoff (shutdown); how many there were."""
-        active = [e for e in self.handoffs.values() if e.core.phase is Phase.ACTIVE]
+        active = [
+            e
+            for e in self.handoffs.values()
+            if isinstance(e, Entry) and e.core.phase is Phase.ACTIVE
+        ]
         for entry in active:
             log.warning("canceling handoff: %s", reason, extra={"handoff_id": entry.handoff_id})
             self._server_fact(entry, Canceled())
@@ -387,6 +478,7 @@ class Registry:
                 self._forget_channel(self._channels[key], now)
                 continue
             entry = self.handoffs[key]
+            assert isinstance(entry, Entry), "only unfinished handoffs have live timers"
             if kind == "deadline":
                 log.warning("handoff deadline passed", extra={"handoff_id": key})
                 self.metrics.timed_out.inc()
@@ -414,8 +506,8 @@ class Registry:
                 and channel.subscription is None
             )
         entry = self.handoffs.get(key)
-        if entry is None:
-            return False
+        if not isinstance(entry, Entry):
+            return False  # gone, or retained: a completed handoff has no timers
         if kind == "deadline":
             return entry.deadline == timer.token and entry.core.phase is Phase.ACTIVE
         return entry.cleanup_epoch == timer.token and entry.core.phase is Phase.CLEANING_UP
@@ -514,8 +606,11 @@ class Registry:
         self.metrics.handoffs_by[phase].inc()
         if phase is Phase.CLEANING_UP:
             if phase_before is Phase.COMPLETE:
+                # The call ran on an Entry unpacked from the retained record;
+                # it replaces the record, which the retention queue skips.
                 self.metrics.reopened.inc()
-                self._retained.pop(entry.handoff_id, None)
+                self.handoffs[entry.handoff_id] = entry
+                self._retained_count -= 1
                 self._engage(entry, now)
                 log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
             entry.cleanup_epoch += 1
@@ -538,7 +633,7 @@ class Registry:
                 self._drop_deliveries(entry.handoff_id, action_id, engines)
             entry.routed.clear()
             self._disengage(entry)
-            self._retain(entry.handoff_id, now)
+            self._retain(Retained(entry))
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
@@ -556,7 +651,7 @@ class Registry:
             handoff_id = next(iter(self._doomed))
             del self._doomed[handoff_id]
             entry = self.handoffs.get(handoff_id)
-            if entry is not None and entry.core.phase is Phase.ACTIVE:
+            if isinstance(entry, Entry) and entry.core.phase is Phase.ACTIVE:
                 log.warning(
                     "action routed to an unreachable engine; failing the handoff",
                     extra={"handoff_id": handoff_id},
@@ -634,7 +729,7 @@ class Registry:
         )
         for handoff_id in sorted(owed):
             entry = self.handoffs.get(handoff_id)
-            if entry is not None and entry.core.phase is Phase.ACTIVE:
+            if isinstance(entry, Entry) and entry.core.phase is Phase.ACTIVE:
                 self._server_fact(entry, Failed())
 
     def _redeliver_cleanup(self, entry: Entry, now: float) -> None:
@@ -687,26 +782,48 @@ class Registry:
 
     # --- retention -----------------------------------------------------------
 
-    def _retain(self, handoff_id: str, now: float) -> None:
-        self._retained.pop(handoff_id, None)
-        self._retained[handoff_id] = now + self.settings.retention_s
-        if len(self._retained) == 1:
+    def _unpacked(self, handoff_id: str) -> Entry:
+        """The handoff as an Entry a call can run on; a retained one stays
+        retained unless the call reopens it (see _after_transition)."""
+        entry = self.get(handoff_id)
+        return entry if isinstance(entry, Entry) else entry.unpack()
+
+    def _retain(self, record: Retained) -> None:
+        self.handoffs[record.handoff_id] = record
+        self._retained.append(record)
+        self._retained_count += 1
+        if self._retained_count == 1:
             # The first expiry may come before the timer loop's next wake-up
             # (a deadline hours away): without this the loop slept through
             # retention, and stale timers were never compacted meanwhile.
             self._on_earlier_timer()
-        while len(self._retained) > self.settings.max_retained:
-            oldest, _ = self._retained.popitem(last=False)
-            self._remove(self.handoffs[oldest])
+        while self._retained_count > self.settings.max_retained:
+            self._forget_oldest()
 
-    def _next_expiry(self) -> float | None:
-        return next(iter(self._retained.values()), None)
-
-    def _expire_retained(self, now: float) -> None:
+    def _oldest(self) -> Retained | None:
+        """The oldest retained handoff, dropping records of reopened ones on the way."""
         retained = self._retained
         while retained:
-            handoff_id, expiry = next(iter(retained.items()))
-            if expiry > now:
-                return
-            del retained[handoff_id]
-            self._remove(self.handoffs[handoff_id])
+            record = retained[0]
+            if self.handoffs.get(record.handoff_id) is record:
+                return record
+            retained.popleft()
+        return None
+
+    def _forget_oldest(self) -> None:
+        oldest = self._oldest()
+        assert oldest is not None
+        self._retained.popleft()
+        del self.handoffs[oldest.handoff_id]
+        self._retained_count -= 1
+        self.metrics.handoffs_by[Phase.COMPLETE].dec()
+
+    def _next_expiry(self) -> float | None:
+        # Completion times never decrease, so neither do expiries: the
+        # oldest record expires first.
+        oldest = self._oldest()
+        return None if oldest is None else oldest.completed_at + self.settings.retention_s
+
+    def _expire_retained(self, now: float) -> None:
+        while (expiry := self._next_expiry()) is not None and expiry <= now:
+            self._forget_oldest()

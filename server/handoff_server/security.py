@@ -25,7 +25,7 @@ import grpc
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
 from handoff_server.model import Canceled, Fact, HandoffError
-from handoff_server.registry import Entry
+from handoff_server.registry import Entry, Retained
 
 # RFC 6750 b64token: what an `Authorization: Bearer` header can carry.
 TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
@@ -264,7 +264,7 @@ def authorize_engine(engine_id: str) -> str:
 
 
 def authorize_report(
-    entry: Entry, *, fact: Fact | None = None, action_id: int | None = None
+    entry: Entry | Retained, *, fact: Fact | None = None, action_id: int | None = None
 ) -> None:
     """For ReportFact and ReportOutcome (also on Connect), before the registry call.
 
