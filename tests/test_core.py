@@ -217,3 +217,21 @@ def test_failed_action_starts_cleanup_and_failed_cleanup_is_rejected() -> None:
     complete = only(handoff.apply_outcome(cancel_destination.id, APPLIED))
     assert complete.kind is ActionKind.COMPLETE
     assert handoff.completion is Completion.CANCELED
+
+
+def test_restore_undoes_every_change_since_the_checkpoint() -> None:
+    handoff = held_and_reserved(Order.SOURCE_FIRST)
+    before = handoff.snapshot()
+    checkpoint = handoff.checkpoint()
+    # Issues, records lifecycle events, fills the journal, then completes and empties it.
+    transfer = schedule_transfer(handoff)
+    handoff.apply_outcome(transfer.id, SCHEDULED)
+    activate = only(handoff.apply_fact(TransferCompleted()))
+    release = only(handoff.apply_outcome(activate.id, APPLIED))
+    handoff.apply_outcome(release.id, APPLIED)
+    assert handoff.phase is Phase.COMPLETE
+    handoff.restore(checkpoint)
+    assert handoff.snapshot() == before
+    again = schedule_transfer(handoff)  # it carries on as if nothing had happened
+    assert (again.id, again.kind) == (transfer.id, transfer.kind)
+    assert handoff.outstanding == (again,)

@@ -530,7 +530,7 @@ class Registry:
         acknowledged: tuple[int, Outcome] | None = None,
     ) -> tuple[Dispatch, ...]:
         core = entry.core
-        backup = core.clone()
+        checkpoint = core.checkpoint()
         phase_before = core.phase
         events_before = len(entry.lifecycle_at)
         try:
@@ -538,7 +538,7 @@ class Registry:
         except HandoffError:
             raise  # the core rejects atomically: nothing changed
         except Exception as error:
-            entry.core = backup
+            core.restore(checkpoint)
             log.exception(
                 "unexpected failure; handoff restored", extra={"handoff_id": core.handoff_id}
             )
