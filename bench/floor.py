@@ -1,7 +1,8 @@
 """The floor: the coordinator's RPCs with empty handlers, to price gRPC itself.
 
 Every unary handler returns an empty response; Connect echoes a bare ack per
-report. So that the bench's engines (bench/load.py) can run against it
+report, packed with the actions into one message when the hello asks for
+batching, as the service does. So that the bench's engines (bench/load.py) can run against it
 unchanged, the floor also pushes the actions of a success path, from a fixed
 script keyed by what was reported, instead of running a state machine: one
 dict lookup per message. What the service costs beyond this is coordination.
@@ -21,26 +22,48 @@ import grpc
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.serve import loop_factory
+from handoff_server.servicer import reports_of
 
 SOURCE_FIRST = pb.HANDOFF_ORDER_SOURCE_FIRST
 Message = pb.Action | pb.ConnectResponse
 
 
 class Outlet:
-    """One engine's stream: messages waiting to be written and a wake-up."""
+    """One engine's stream: what waits to be written, and a wake-up."""
 
-    def __init__(self, wrap: bool) -> None:
+    def __init__(self, wrap: bool, batch: bool = False) -> None:
         self.wrap = wrap  # Connect wraps actions in a ConnectResponse
+        self.batch = batch  # Connect after ConnectHello.batch: everything ready in one message
         self.queue: deque[Message] = deque()
+        self.acks: list[pb.ConnectAck] = []  # batched only
+        self.actions: list[pb.Action] = []  # batched only
         self.ready = asyncio.Event()
 
-    def push(self, message: Message) -> None:
-        self.queue.append(message)
+    def push_action(self, action: pb.Action) -> None:
+        if self.batch:
+            self.actions.append(action)
+        else:
+            self.queue.append(pb.ConnectResponse(action=action) if self.wrap else action)
+        self.ready.set()
+
+    def push_ack(self, ack: pb.ConnectAck) -> None:
+        if self.batch:
+            self.acks.append(ack)
+        else:
+            self.queue.append(pb.ConnectResponse(ack=ack))
+        self.ready.set()
+
+    def end(self) -> None:
+        self.queue.append(END)
         self.ready.set()
 
     async def drain(self) -> AsyncIterator[Message]:
         while True:
             self.ready.clear()
+            if self.acks or self.actions:
+                message = pb.ConnectResponse(acks=self.acks, actions=self.actions)
+                self.acks, self.actions = [], []  # before the yield: more arrive meanwhile
+                yield message
             while self.queue:
                 yield self.queue.popleft()
             await self.ready.wait()
@@ -57,10 +80,11 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
         outlet = self.outlets.get(engine_id)
         if outlet is None:
             return
-        action = pb.Action(
-            handoff_id=handoff_id, id=action_id, kind=kind, attempt=1, engine_id=engine_id
+        outlet.push_action(
+            pb.Action(
+                handoff_id=handoff_id, id=action_id, kind=kind, attempt=1, engine_id=engine_id
+            )
         )
-        outlet.push(pb.ConnectResponse(action=action) if outlet.wrap else action)
 
     def _after_fact(self, request: pb.ReportFactRequest) -> None:
         known = self.handoffs.get(request.handoff_id)
@@ -147,9 +171,9 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
         request_iterator: AsyncIterator[pb.ConnectRequest],
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
-        hello = await anext(aiter(request_iterator))
-        engine_id = hello.hello.engine_id
-        outlet = self.outlets[engine_id] = Outlet(wrap=True)
+        hello = (await anext(aiter(request_iterator))).hello
+        engine_id = hello.engine_id
+        outlet = self.outlets[engine_id] = Outlet(wrap=True, batch=hello.batch)
         reader = asyncio.create_task(self._read(request_iterator, outlet))
         await context.send_initial_metadata(())
         try:
@@ -164,13 +188,14 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
 
     async def _read(self, requests: AsyncIterator[pb.ConnectRequest], outlet: Outlet) -> None:
         async for request in requests:
-            outlet.push(pb.ConnectResponse(ack=pb.ConnectAck(request_id=request.request_id)))
-            if request.HasField("fact"):
-                self._after_fact(request.fact)
-            elif request.HasField("outcome"):
-                self._after_outcome(request.outcome)
+            for report in reports_of(request):
+                outlet.push_ack(pb.ConnectAck(request_id=report.request_id))
+                if report.HasField("fact"):
+                    self._after_fact(report.fact)
+                elif report.HasField("outcome"):
+                    self._after_outcome(report.outcome)
         # The engine half-closed: ending the response stream ends the call.
-        outlet.push(END)
+        outlet.end()
 
 
 END = pb.ConnectResponse()  # sentinel: never sent, ends the Connect response stream

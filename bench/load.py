@@ -5,7 +5,11 @@ the two differ only in what the server does. A frontend starts handoffs with
 StartHandoff; each engine answers every action the moment it arrives:
 
 - path "stream": one Connect stream per engine; reports go out on it without
-  waiting for their acks (the stream keeps them in order);
+  waiting for their acks (the stream keeps them in order). As the SDK's
+  sidecar does, the reports ready at once share one message and the server
+  packs its acks and actions (``ConnectHello.batch``), acks without the
+  handoff (``lean_acks``); ``batch=False`` sends one item per message and
+  takes full acks, as a plain Connect client would;
 - path "unary": one StreamActions stream per engine; each report is a
   ReportOutcome / ReportFact call, the fact only after its outcome's answer.
 
@@ -76,6 +80,7 @@ class LoadSpec:
     count: int | None = None  # stop after this many handoffs (then no window)
     frontend_only: bool = False  # no engines: each handoff stays started, its first action queued
     shard: int = 0  # engine ids are distinct per shard, so shards never share a stream
+    batch: bool = True  # stream path: several items per Connect message, lean acks
 
 
 @dataclass
@@ -169,10 +174,12 @@ class Engine:
 class StreamEngine(Engine):
     """Reports and actions on one Connect stream; one request iterator keeps reports in order."""
 
-    def __init__(self, stub: Stub, engine_id: str, book: Book) -> None:
+    def __init__(self, stub: Stub, engine_id: str, book: Book, batch: bool) -> None:
         super().__init__(stub, engine_id, book)
-        hello = pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id))
-        self.outbox: deque[pb.ConnectRequest] = deque([hello])
+        self.batch = batch
+        self.hello = pb.ConnectHello(engine_id=engine_id, batch=batch, lean_acks=batch)
+        self.pending = pb.ConnectRequest()  # batched: the reports of the next message
+        self.singles: deque[pb.ConnectRequest] = deque()  # unbatched: one message each
         self.wake = asyncio.Event()
         self.unacked = 0
         self.acked = asyncio.Event()
@@ -193,32 +200,34 @@ class StreamEngine(Engine):
         fact: pb.Fact | None,
         flight: Flight,
     ) -> None:
-        self.next_request += 1
-        self.outbox.append(
-            pb.ConnectRequest(
-                request_id=self.next_request,
-                outcome=pb.ReportOutcomeRequest(
-                    handoff_id=handoff_id, action_id=action_id, outcome=pb.Outcome(kind=outcome)
-                ),
-            )
+        answer = pb.ReportOutcomeRequest(
+            handoff_id=handoff_id, action_id=action_id, outcome=pb.Outcome(kind=outcome)
         )
+        self.next_request += 1
+        if self.batch:
+            self.pending.reports.add(request_id=self.next_request, outcome=answer)
+        else:
+            self.singles.append(pb.ConnectRequest(request_id=self.next_request, outcome=answer))
         self.unacked += 1
         if fact is not None:
+            observed = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact)
             self.next_request += 1
-            self.outbox.append(
-                pb.ConnectRequest(
-                    request_id=self.next_request,
-                    fact=pb.ReportFactRequest(handoff_id=handoff_id, fact=fact),
-                )
-            )
+            if self.batch:
+                self.pending.reports.add(request_id=self.next_request, fact=observed)
+            else:
+                self.singles.append(pb.ConnectRequest(request_id=self.next_request, fact=observed))
             self.unacked += 1
             flight.fact_at = time.perf_counter()
         self.wake.set()
 
     async def _requests(self) -> AsyncIterator[pb.ConnectRequest]:
+        yield pb.ConnectRequest(hello=self.hello)
         while True:
-            while self.outbox:
-                yield self.outbox.popleft()
+            if self.pending.reports:
+                message, self.pending = self.pending, pb.ConnectRequest()
+                yield message
+            while self.singles:
+                yield self.singles.popleft()
             if self.closing:
                 return  # the half-close
             self.wake.clear()
@@ -226,14 +235,19 @@ class StreamEngine(Engine):
 
     async def _read(self) -> None:
         async for response in self.call:
+            acks = list(response.acks)
+            if response.HasField("ack"):
+                acks.append(response.ack)
+            for ack in acks:
+                if ack.code != 0:
+                    self.book.result.rejected += 1
+            self.unacked -= len(acks)
+            if self.unacked == 0:
+                self.acked.set()
+            for action in response.actions:
+                self.on_action(action)
             if response.HasField("action"):
                 self.on_action(response.action)
-            else:
-                self.unacked -= 1
-                if response.ack.code != 0:
-                    self.book.result.rejected += 1
-                if self.unacked == 0:
-                    self.acked.set()
 
     async def settle(self) -> None:
         """Until every report sent so far is acknowledged."""
@@ -390,11 +404,13 @@ async def run(spec: LoadSpec) -> LoadResult:
         grpc.aio.insecure_channel(spec.target) as engine_channel,
     ):
         engine_stub: Stub = pb_grpc.HandoffCoordinatorStub(engine_channel)
-        kind = StreamEngine if spec.path == "stream" else UnaryEngine
         engines: list[Engine] = [
-            kind(engine_stub, f"{role}-{spec.shard}-{pair}", book)
+            StreamEngine(engine_stub, engine_id, book, spec.batch)
+            if spec.path == "stream"
+            else UnaryEngine(engine_stub, engine_id, book)
             for pair in range(0 if spec.frontend_only else spec.pairs)
             for role in ("prefill", "decode")
+            for engine_id in [f"{role}-{spec.shard}-{pair}"]
         ]
         for engine in engines:
             await engine.open()

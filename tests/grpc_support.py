@@ -219,14 +219,22 @@ CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 class ConnectEngine(ActionLog):
-    """One engine on the bidirectional Connect stream: reports out, acks and actions in."""
+    """One engine on the bidirectional Connect stream: reports out, acks and actions in.
 
-    def __init__(self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str) -> None:
+    With ``batch`` it asks for packed responses and sends its reports in
+    ``ConnectRequest.reports``, as the SDK does (but with full acks).
+    """
+
+    def __init__(
+        self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str, batch: bool = False
+    ) -> None:
         super().__init__(engine_id)
+        self.batch = batch
         self._outbox: asyncio.Queue[pb.ConnectRequest | None] = asyncio.Queue()
         self._acks: dict[int, asyncio.Future[pb.ConnectAck]] = {}
         self._next_request = 0
-        self._outbox.put_nowait(pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id)))
+        hello = pb.ConnectHello(engine_id=engine_id, batch=batch)
+        self._outbox.put_nowait(pb.ConnectRequest(hello=hello))
         self._call = stub.Connect(self._requests())
         self._task = asyncio.create_task(self._read())
 
@@ -237,10 +245,12 @@ class ConnectEngine(ActionLog):
     async def _read(self) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             async for response in self._call:
-                if response.WhichOneof("kind") == "ack":
-                    self._acks.pop(response.ack.request_id).set_result(response.ack)
-                else:
-                    await self.record(response.action)
+                which = response.WhichOneof("kind")
+                assert self.batch != (which is not None), "packed only when asked in the hello"
+                for ack in [response.ack] if which == "ack" else response.acks:
+                    self._acks.pop(ack.request_id).set_result(ack)
+                for action in [response.action] if which == "action" else response.actions:
+                    await self.record(action)
 
     async def subscribed(self) -> None:
         await self._call.initial_metadata()
@@ -249,11 +259,13 @@ class ConnectEngine(ActionLog):
         self, message: pb.ReportFactRequest | pb.ReportOutcomeRequest
     ) -> pb.ConnectAck:
         self._next_request += 1
-        request = pb.ConnectRequest(request_id=self._next_request)
+        request = pb.ConnectRequest()
+        report = request.reports.add() if self.batch else request
+        report.request_id = self._next_request
         if isinstance(message, pb.ReportFactRequest):
-            request.fact.CopyFrom(message)
+            report.fact.CopyFrom(message)
         else:
-            request.outcome.CopyFrom(message)
+            report.outcome.CopyFrom(message)
         acknowledged: asyncio.Future[pb.ConnectAck] = asyncio.get_running_loop().create_future()
         self._acks[self._next_request] = acknowledged
         await self._outbox.put(request)

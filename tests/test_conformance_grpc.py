@@ -87,9 +87,12 @@ async def check_routing(
     return None
 
 
-@pytest.mark.parametrize("transport", ["unary", "connect"])
+@pytest.mark.parametrize("transport", ["unary", "connect", "connect-batch"])
 async def test_all_vectors_pass_through_a_running_server(server: Server, transport: str) -> None:
-    """Facts and outcomes on the unary RPCs (actions on StreamActions), or all on Connect."""
+    """Facts and outcomes on the unary RPCs (actions on StreamActions), or all on
+    Connect: one item per message, or packed (``ConnectHello.batch``, reports in
+    ``ConnectRequest.reports``; the vectors run concurrently, so the server packs
+    acks and actions of several at once)."""
     vectors = all_vectors()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.HandoffCoordinatorStub(channel)
@@ -97,7 +100,8 @@ async def test_all_vectors_pass_through_a_running_server(server: Server, transpo
         if transport == "unary":
             engines = [StreamRecorder(stub, SOURCE), StreamRecorder(stub, DESTINATION)]
         else:
-            engines = [ConnectEngine(stub, SOURCE), ConnectEngine(stub, DESTINATION)]
+            batch = transport == "connect-batch"
+            engines = [ConnectEngine(stub, SOURCE, batch), ConnectEngine(stub, DESTINATION, batch)]
         for engine in engines:
             await engine.subscribed()
         source, destination = engines

@@ -14,8 +14,13 @@ sidecar's ordered outbox, retries and outcome cache work unchanged:
   server's headers say the subscription is registered. Closing the generator
   cancels the stream.
 - A report goes out on the live stream and returns when its acknowledgement
-  arrives. A non-zero code raises the exception the unary call would raise
-  for the same refusal (same class, same details).
+  arrives. Reports queued together go out together, up to
+  ``MAX_REPORTS_PER_MESSAGE`` in one message, and the server packs its acks
+  and actions the same way (``ConnectHello.batch``): gRPC costs about the
+  same per message whatever it carries. Acks come without the handoff's
+  state (``ConnectHello.lean_acks``): the sidecar acts on its actions alone.
+  A non-zero code raises the exception the unary call would raise for the
+  same refusal (same class, same details).
 - A report still unacknowledged when its stream ends (dropped, replaced by
   a newer stream for the engine, closed) fails with ``UnavailableError``, so
   the outbox sends it again, on the next stream. Reports are idempotent on
@@ -48,6 +53,10 @@ from handoff_client.model import Action, Fact, Outcome
 # Actions read ahead of the sidecar. Past this the reader stops and leaves the
 # rest to gRPC flow control and the server's queue, as StreamActions does.
 MAX_BUFFERED_ACTIONS = 256
+# Reports per Connect message at most. A report is at most about 1.2 KiB (a
+# 1 KiB reason at most), so a full message stays well under the server's
+# default 64 KiB message limit.
+MAX_REPORTS_PER_MESSAGE = 32
 
 
 class ConnectTransport:
@@ -70,13 +79,13 @@ class ConnectTransport:
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
-        await self._report(pb.ConnectRequest(fact=report))
+        await self._report(pb.ConnectReport(fact=report))
 
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
         report = pb.ReportOutcomeRequest(
             handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
         )
-        await self._report(pb.ConnectRequest(outcome=report))
+        await self._report(pb.ConnectReport(outcome=report))
 
     @property
     def unacknowledged(self) -> int:
@@ -125,7 +134,7 @@ class ConnectTransport:
     def _usable(self) -> bool:
         return self._live is not None and not self._live.ended
 
-    async def _report(self, request: pb.ConnectRequest) -> None:
+    async def _report(self, request: pb.ConnectReport) -> None:
         timeout_s = self._client.timeout_s
         try:
             async with asyncio.timeout(timeout_s):
@@ -152,8 +161,8 @@ class _Stream:
     """One Connect call: the requests to write, a reader, the reports awaiting acks."""
 
     def __init__(self, client: HandoffClient, engine_id: str) -> None:
-        self._requests: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
-        self._requests.put_nowait(pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id)))
+        self._hello = pb.ConnectHello(engine_id=engine_id, batch=True, lean_acks=True)
+        self._requests: asyncio.Queue[pb.ConnectReport] = asyncio.Queue()
         self.call = client._open_connect(self._outgoing())
         self.pending: dict[int, asyncio.Future[None]] = {}
         self.actions: deque[Action] = deque()
@@ -164,13 +173,19 @@ class _Stream:
         self._reader: asyncio.Task[None] | None = None
 
     async def _outgoing(self) -> AsyncIterator[pb.ConnectRequest]:
+        yield pb.ConnectRequest(hello=self._hello)
+        requests = self._requests
         while True:
-            yield await self._requests.get()
+            message = pb.ConnectRequest()
+            message.reports.append(await requests.get())
+            while not requests.empty() and len(message.reports) < MAX_REPORTS_PER_MESSAGE:
+                message.reports.append(requests.get_nowait())
+            yield message
 
     def start_reading(self) -> None:
         self._reader = asyncio.create_task(self._read())
 
-    def send(self, request: pb.ConnectRequest) -> asyncio.Future[None]:
+    def send(self, request: pb.ConnectReport) -> asyncio.Future[None]:
         """Queue ``request``; the future ends with its acknowledgement."""
         acknowledged: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.pending[request.request_id] = acknowledged
@@ -181,10 +196,18 @@ class _Stream:
     async def _read(self) -> None:
         try:
             async for response in self.call:
-                if response.WhichOneof("kind") == "ack":
+                # Batched (acks, actions), as asked in the hello; a server
+                # that packs nothing still sends one item in kind.
+                for ack in response.acks:
+                    self._acknowledge(ack)
+                actions = [action_from_pb(action) for action in response.actions]
+                which = response.WhichOneof("kind")
+                if which == "ack":
                     self._acknowledge(response.ack)
-                else:
-                    self.actions.append(action_from_pb(response.action))
+                elif which == "action":
+                    actions.append(action_from_pb(response.action))
+                if actions:
+                    self.actions.extend(actions)
                     self.arrived.set()
                 # Park while the sidecar is behind, but never while a report
                 # waits: its ack may come after actions the sidecar cannot

@@ -32,6 +32,7 @@ from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
 from handoff_server.metrics import RPCS, Metrics
 from handoff_server.security import EngineIdentities, TokenSet
+from handoff_server.servicer import reports_of
 
 log = logging.getLogger("handoff.guard")
 
@@ -257,7 +258,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             engine_id = None
             if first is not None and first.WhichOneof("kind") == "hello":
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
-            window = asyncio.Semaphore(MAX_UNACKED_REPORTS)
+            window = AckWindow(MAX_UNACKED_REPORTS)
             garbled: list[int] = []
 
             async def reports() -> AsyncIterator[Any]:
@@ -271,14 +272,13 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                         # so what came before is still acknowledged; then refuse.
                         garbled.append(count)
                         return
-                    await window.acquire()  # one acknowledgement owed per report
+                    await window.admit(len(reports_of(request)))
                     yield request
 
             try:
                 async with contextlib.aclosing(inner(reports(), context)) as responses:
                     async for response in responses:
-                        if response.WhichOneof("kind") == "ack":
-                            window.release()
+                        window.acknowledged(len(response.acks) + response.HasField("ack"))
                         yield response
             finally:
                 if engine_id is not None:
@@ -292,6 +292,27 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 )
 
         return stream
+
+
+class AckWindow:
+    """Reports read from one Connect stream whose acknowledgements are not written yet."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.owed = 0
+        self._room = asyncio.Event()
+
+    async def admit(self, reports: int) -> None:
+        """Wait until ``reports`` more fit; a message larger than the window goes alone."""
+        while self.owed and self.owed + reports > self.limit:
+            self._room.clear()
+            await self._room.wait()
+        self.owed += reports
+
+    def acknowledged(self, acks: int) -> None:
+        if acks:
+            self.owed -= acks
+            self._room.set()
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> Handler:

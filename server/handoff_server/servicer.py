@@ -51,14 +51,21 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self.registry = registry
         self.metrics = metrics
 
-    def answer(self, rpc: str, subject: str, work: Callable[[], R]) -> R:
-        """Run ``work``; turn any failure into a Rejection with a clear message."""
+    def answer(self, rpc: str, subject: str | Callable[[], str], work: Callable[[], R]) -> R:
+        """Run ``work``; turn any failure into a Rejection with a clear message.
+
+        ``subject`` names what failed. Reports pass a callable: the name is
+        only needed on failure, and building it on every report costs more
+        than some reports do.
+        """
         try:
             return work()
         except HandoffError as error:
+            subject = subject if isinstance(subject, str) else subject()
             code = grpc.StatusCode[error.code]
             message = f"{subject}: {error.message}"
         except Exception:
+            subject = subject if isinstance(subject, str) else subject()
             log.exception("unexpected failure in %s", rpc, extra={"subject": subject})
             code, message = grpc.StatusCode.INTERNAL, f"{subject}: internal error in {rpc}"
         self.metrics.rejected(rpc, code.name)
@@ -88,7 +95,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ReportFactRequest, pb.ReportFactResponse],
     ) -> pb.ReportFactResponse:
         try:
-            answer = self.report_fact(request, "ReportFact")
+            answer = Answer.of(self.report_fact(request, "ReportFact"))
             return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
@@ -99,7 +106,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ReportOutcomeRequest, pb.ReportOutcomeResponse],
     ) -> pb.ReportOutcomeResponse:
         try:
-            answer = self.report_outcome(request, "ReportOutcome")
+            answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
             return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
@@ -120,31 +127,23 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
 
-    def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> Answer:
-        kind = request.fact.WhichOneof("kind") or "unset"
-        subject = f"handoff {_shown(request.handoff_id)}, fact {kind}"
-
-        def work() -> Answer:
+    def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> CallResult:
+        def work() -> CallResult:
             handoff_id = convert.handoff_id(request.handoff_id)
             fact = convert.fact(request.fact)
             security.authorize_report(self.registry.get(handoff_id), fact=fact)
-            return Answer.of(self.registry.report_fact(handoff_id, fact))
+            return self.registry.report_fact(handoff_id, fact)
 
-        return self.answer(rpc, subject, work)
+        return self.answer(rpc, lambda: _fact_subject(request), work)
 
-    def report_outcome(self, request: pb.ReportOutcomeRequest, rpc: str) -> Answer:
-        kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
-        subject = (
-            f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
-        )
-
-        def work() -> Answer:
+    def report_outcome(self, request: pb.ReportOutcomeRequest, rpc: str) -> CallResult:
+        def work() -> CallResult:
             handoff_id = convert.handoff_id(request.handoff_id)
             outcome = convert.outcome(request.outcome)
             security.authorize_report(self.registry.get(handoff_id), action_id=request.action_id)
-            return Answer.of(self.registry.report_outcome(handoff_id, request.action_id, outcome))
+            return self.registry.report_outcome(handoff_id, request.action_id, outcome)
 
-        return self.answer(rpc, subject, work)
+        return self.answer(rpc, lambda: _outcome_subject(request), work)
 
     # --- streams --------------------------------------------------------------
 
@@ -190,28 +189,27 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request_iterator: AsyncIterator[pb.ConnectRequest],
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
-        hello = await anext(aiter(request_iterator), None)
+        first = await anext(aiter(request_iterator), None)
         try:
-            engine_id = self.answer("Connect", "connect", lambda: _hello(hello))
+            hello = self.answer("Connect", "connect", lambda: _hello(first))
         except Rejection as rejection:
             await context.abort(rejection.code, rejection.message)
         ready = asyncio.Event()
-        acks: deque[pb.ConnectResponse] = deque()
-        subscription = self.registry.subscribe(engine_id, ready.set)
-        reader = asyncio.create_task(self._read_reports(request_iterator, acks, ready))
-        log.info("engine connected", extra={"engine_id": engine_id})
+        owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
+        subscription = self.registry.subscribe(hello.engine_id, ready.set)
+        reader = asyncio.create_task(self._read_reports(request_iterator, owed, ready))
+        log.info("engine connected", extra={"engine_id": hello.engine_id})
         try:
             await context.send_initial_metadata(())
             while True:
                 ready.clear()
-                while acks:
-                    yield acks.popleft()
-                batch = self.registry.take(subscription, STREAM_BATCH)
-                if batch is None:
+                dispatches = self.registry.take(subscription, STREAM_BATCH)
+                if dispatches is None:
                     return  # replaced by a newer stream for this engine
-                for dispatch in batch:
-                    yield pb.ConnectResponse(action=convert.action(dispatch))
-                if batch or acks:
+                responses = owed.responses(dispatches)
+                for response in responses:
+                    yield response
+                if responses:
                     continue
                 if reader.done():
                     reader.result()  # surfaces a read error, if any
@@ -220,49 +218,86 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         finally:
             reader.cancel()
             self.registry.unsubscribe(subscription)
-            log.info("engine disconnected", extra={"engine_id": engine_id})
+            log.info("engine disconnected", extra={"engine_id": hello.engine_id})
 
     async def _read_reports(
-        self,
-        requests: AsyncIterator[pb.ConnectRequest],
-        acks: deque[pb.ConnectResponse],
-        ready: asyncio.Event,
+        self, requests: AsyncIterator[pb.ConnectRequest], owed: Owed, ready: asyncio.Event
     ) -> None:
         try:
             async for request in requests:
-                acks.append(self._report(request))
+                for report in reports_of(request):
+                    self._report(report, owed)
                 ready.set()
         finally:
             ready.set()
 
-    def _report(self, request: pb.ConnectRequest) -> pb.ConnectResponse:
-        """The acknowledgement of one report, ready to write."""
+    def _report(self, request: pb.ConnectRequest | pb.ConnectReport, owed: Owed) -> None:
+        """Handle one report and write its acknowledgement where it will be sent."""
         which = request.WhichOneof("kind")
         try:
             if which == "fact":
-                answer = self.report_fact(request.fact, "Connect")
+                result = self.report_fact(request.fact, "Connect")
             elif which == "outcome":
-                answer = self.report_outcome(request.outcome, "Connect")
+                result = self.report_outcome(request.outcome, "Connect")
             else:
                 self.answer("Connect", "connect", _unexpected_hello)
                 raise AssertionError("unreachable")
         except Rejection as rejection:
-            return pb.ConnectResponse(
-                ack=pb.ConnectAck(
-                    request_id=request.request_id,
-                    code=rejection.code.value[0],
-                    message=rejection.message,
-                )
-            )
-        # Filled in place: a sub-message given to a constructor is copied, and
-        # nesting the ack that way copied the whole handoff twice per report.
-        response = pb.ConnectResponse()
-        ack = response.ack
-        ack.SetInParent()
-        ack.request_id = request.request_id
-        ack.handoff.CopyFrom(answer.handoff)
-        ack.actions.extend(answer.actions)
-        return response
+            ack = owed.ack(request.request_id)
+            ack.code = rejection.code.value[0]
+            ack.message = rejection.message
+            return
+        ack = owed.ack(request.request_id)
+        if not owed.lean_acks:
+            answer = Answer.of(result)
+            ack.handoff.CopyFrom(answer.handoff)
+            ack.actions.extend(answer.actions)
+
+
+class Owed:
+    """What one Connect stream owes its engine: acks, then actions, in messages.
+
+    Acks are built in place, inside the message that will carry them: a
+    sub-message given to a constructor is copied, and nesting an ack that
+    way copied the whole handoff twice per report.
+    """
+
+    __slots__ = ("batch", "lean_acks", "_messages")
+
+    def __init__(self, *, batch: bool, lean_acks: bool) -> None:
+        self.batch = batch
+        self.lean_acks = lean_acks
+        # Batched: at most one message, collecting every ack until written.
+        self._messages: deque[pb.ConnectResponse] = deque()
+
+    def ack(self, request_id: int) -> pb.ConnectAck:
+        """A new, empty acknowledgement of ``request_id``, queued to be written."""
+        if self.batch:
+            if not self._messages:
+                self._messages.append(pb.ConnectResponse())
+            ack = self._messages[0].acks.add()
+        else:
+            message = pb.ConnectResponse()
+            self._messages.append(message)
+            ack = message.ack
+            ack.SetInParent()
+        ack.request_id = request_id
+        return ack
+
+    def responses(self, dispatches: list[Dispatch]) -> list[pb.ConnectResponse]:
+        """The messages to write now: every ack owed so far, then ``dispatches``."""
+        messages = list(self._messages)
+        self._messages.clear()
+        if not dispatches:
+            return messages
+        actions = [convert.action(dispatch) for dispatch in dispatches]
+        if not self.batch:
+            messages.extend(pb.ConnectResponse(action=action) for action in actions)
+        elif messages:
+            messages[0].actions.extend(actions)
+        else:
+            messages.append(pb.ConnectResponse(actions=actions))
+        return messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,10 +312,36 @@ class Answer:
         return cls(convert.handoff(result.entry), [convert.action(d) for d in result.actions])
 
 
-def _hello(request: pb.ConnectRequest | None) -> str:
+def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
     if request is None or request.WhichOneof("kind") != "hello":
         raise InvalidArgument("the first Connect message must be a hello naming the engine")
-    return security.authorize_engine(convert.engine_id(request.hello.engine_id, "hello.engine_id"))
+    if request.reports:
+        raise InvalidArgument("the hello comes alone: reports follow it in later messages")
+    security.authorize_engine(convert.engine_id(request.hello.engine_id, "hello.engine_id"))
+    return request.hello
+
+
+def reports_of(request: pb.ConnectRequest) -> list[pb.ConnectRequest | pb.ConnectReport]:
+    """The reports in one Connect message after the hello, in order; one ack is owed each.
+
+    The message's own kind counts as a report even when it is not one (a
+    second hello, nothing at all), so that it is acknowledged with an error
+    rather than ignored; unless the message only carries ``reports``.
+    """
+    batch = request.reports
+    if batch and request.WhichOneof("kind") is None:
+        return list(batch)
+    return [request, *batch]
+
+
+def _fact_subject(request: pb.ReportFactRequest) -> str:
+    kind = request.fact.WhichOneof("kind") or "unset"
+    return f"handoff {_shown(request.handoff_id)}, fact {kind}"
+
+
+def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
+    kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
+    return f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
 
 
 def _unexpected_hello() -> None:

@@ -108,7 +108,8 @@ class HandoffCoordinatorServicer:
         """Bidirectional stream for engine sidecars: the engine sends facts and
         outcomes and receives its actions plus one acknowledgement per report.
         Same semantics as ReportFact, ReportOutcome and StreamActions together,
-        at a fraction of their per-call cost.
+        at a fraction of their per-call cost; with ConnectHello.batch and
+        ConnectRequest.reports, many reports, acks and actions share a message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

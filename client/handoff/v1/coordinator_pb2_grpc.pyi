@@ -61,7 +61,8 @@ class HandoffCoordinatorStub:
     """Bidirectional stream for engine sidecars: the engine sends facts and
     outcomes and receives its actions plus one acknowledgement per report.
     Same semantics as ReportFact, ReportOutcome and StreamActions together,
-    at a fraction of their per-call cost.
+    at a fraction of their per-call cost; with ConnectHello.batch and
+    ConnectRequest.reports, many reports, acks and actions share a message.
     """
     GetHandoff: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetHandoffRequest, _coordinator_pb2.GetHandoffResponse]
     """Reads one handoff: phase, completion, engines, outstanding actions,
@@ -94,7 +95,8 @@ class HandoffCoordinatorAsyncStub(HandoffCoordinatorStub):
     """Bidirectional stream for engine sidecars: the engine sends facts and
     outcomes and receives its actions plus one acknowledgement per report.
     Same semantics as ReportFact, ReportOutcome and StreamActions together,
-    at a fraction of their per-call cost.
+    at a fraction of their per-call cost; with ConnectHello.batch and
+    ConnectRequest.reports, many reports, acks and actions share a message.
     """
     GetHandoff: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetHandoffRequest, _coordinator_pb2.GetHandoffResponse]  # type: ignore[assignment]
     """Reads one handoff: phase, completion, engines, outstanding actions,
@@ -154,7 +156,8 @@ class HandoffCoordinatorServicer(metaclass=_abc_1.ABCMeta):
         """Bidirectional stream for engine sidecars: the engine sends facts and
         outcomes and receives its actions plus one acknowledgement per report.
         Same semantics as ReportFact, ReportOutcome and StreamActions together,
-        at a fraction of their per-call cost.
+        at a fraction of their per-call cost; with ConnectHello.batch and
+        ConnectRequest.reports, many reports, acks and actions share a message.
         """
 
     @_abc_1.abstractmethod
