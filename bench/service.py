@@ -1,8 +1,9 @@
 """Benchmark the running service over real gRPC on loopback, against its floor.
 
-In one run: completed handoffs/s on the streaming path (Connect) and the unary
-path (ReportFact/ReportOutcome + StreamActions), each against the service and
-against the empty-handler floor (bench/floor.py); handoff and fact-to-action
+In one run: completed handoffs/s on the streaming path (Connect, batched as
+the SDK uses it, and one item per message as a plain client would) and the
+unary path (ReportFact/ReportOutcome + StreamActions), each against the
+service and against the empty-handler floor (bench/floor.py); handoff and fact-to-action
 latency at half the maximum rate; server CPU per handoff; RSS per live and per
 retained handoff; and a soak whose RSS must come back once retention expires.
 
@@ -95,6 +96,12 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
     return merged
 
 
+def label(spec: LoadSpec) -> str:
+    if spec.path != "stream":
+        return spec.path
+    return "stream (batched)" if spec.batch else "stream (one per message)"
+
+
 def drive(pool: Pool, clients: int, server: ServerProcess, spec: LoadSpec, mode: str) -> Measured:
     """Run ``spec`` split over ``clients`` load processes; the server's CPU over the run."""
     shards = [
@@ -110,7 +117,7 @@ def drive(pool: Pool, clients: int, server: ServerProcess, spec: LoadSpec, mode:
     cpu, began = server.cpu_s(), time.monotonic()
     result = merge(pool.map(run_in_process, shards))
     return Measured(
-        spec.path, server.name, mode, result, server.cpu_s() - cpu, time.monotonic() - began
+        label(spec), server.name, mode, result, server.cpu_s() - cpu, time.monotonic() - began
     )
 
 
@@ -239,14 +246,15 @@ def run_phases(
         warmup_s=plan.warmup_s,
     )
     if "throughput" in phases:
-        for path in ("stream", "unary"):
+        for path, batch in (("stream", True), ("stream", False), ("unary", False)):
             for name in ("service", "floor"):
-                window = plan.stream_duration_s if (path, name) == ("stream", "service") else None
-                spec = replace(base, path=path, duration_s=window or plan.duration_s)
-                say(f"max rate: {path} path, {name}, {spec.duration_s} s")
+                sustained = (path, batch, name) == ("stream", True, "service")
+                window = plan.stream_duration_s if sustained else plan.duration_s
+                spec = replace(base, path=path, batch=batch, duration_s=window)
+                say(f"max rate: {label(spec)} path, {name}, {spec.duration_s} s")
                 mode = f"max ({plan.concurrency} in flight)"
                 measured.append(drive(pool, args.clients, servers[name], spec, mode))
-                if name == "service":
+                if name == "service" and batch == (path == "stream"):
                     max_rate[path] = measured[-1].rate
     if "latency" in phases:
         for path in ("stream", "unary"):
@@ -254,7 +262,7 @@ def run_phases(
             if rate <= 0:
                 raise SystemExit(f"latency needs the {path} max rate: run throughput or pass it")
             spec = replace(base, path=path, rate=rate)
-            say(f"half rate: {path} path, {rate:,.0f} handoffs/s")
+            say(f"half rate: {label(spec)} path, {rate:,.0f} handoffs/s")
             measured.append(
                 drive(pool, args.clients, servers["service"], spec, f"half rate ({rate:,.0f}/s)")
             )

@@ -20,3 +20,6 @@ def test_quick_bench_prints_its_table() -> None:
     assert run.returncode == 0, run.stderr[-2000:]
     for heading in ("| path | server | load | handoffs/s", "| memory | handoffs", "Soak:"):
         assert heading in run.stdout, run.stdout
+    for path in ("stream (batched)", "stream (one per message)", "unary"):
+        for server in ("service", "floor"):
+            assert f"| {path} | {server} | max" in run.stdout, run.stdout
