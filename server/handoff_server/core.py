@@ -151,6 +151,8 @@ class Handoff:
     @property
     def outstanding(self) -> tuple[Action, ...]:
         """Issued actions still waiting for their outcome, in issue order."""
+        if len(self._outcomes) == len(self._issued):
+            return NO_ACTIONS  # outcomes are kept only for issued actions: all are in
         return tuple(a for i, a in self._issued.items() if i not in self._outcomes)
 
     def is_outstanding(self, action_id: int) -> bool:

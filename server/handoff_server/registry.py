@@ -126,6 +126,7 @@ class Entry:
         "held_at",
         "cleanup_epoch",
         "redelivery_round",
+        "encoding",
     )
 
     def __init__(
@@ -149,6 +150,9 @@ class Entry:
         self.held_at: float | None = None
         self.cleanup_epoch = 0  # bumps each time cleanup (re)starts; stales old timers
         self.redelivery_round = 0
+        # Kept by convert.handoff, opaque here: the answer's encoding so far,
+        # so that answering a report encodes only what the report changed.
+        self.encoding: object = None
 
     @property
     def handoff_id(self) -> str:
