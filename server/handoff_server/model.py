@@ -193,15 +193,15 @@ class TransferTiming:
 
     def delay_ms(self, transferable_prompt_tokens: int) -> float | None:
         """The modelled transfer time, or None when the model is incomplete."""
+        if self.mode is TimingMode.FULL_PROMPT:
+            return self._delay_ms(self.full_prompt_tokens)
+        return self._delay_ms(transferable_prompt_tokens)
+
+    def _delay_ms(self, tokens: int) -> float | None:
         if self.kv_bytes_per_token is None or self.bandwidth_gb_s is None:
             return None
         if not self.bandwidth_gb_s > 0.0:
             return None
-        tokens = (
-            self.full_prompt_tokens
-            if self.mode is TimingMode.FULL_PROMPT
-            else transferable_prompt_tokens
-        )
         payload = float(tokens) * float(self.kv_bytes_per_token) + float(self.state_bytes)
         return payload / (self.bandwidth_gb_s * 1e9) * 1000.0
 
@@ -210,14 +210,8 @@ class TransferTiming:
         bandwidth = self.bandwidth_gb_s
         if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth >= 0.0):
             raise InvalidArgument(f"invalid handoff transfer bandwidth {format_float(bandwidth)}")
-        full_prompt = TransferTiming(
-            TimingMode.FULL_PROMPT,
-            self.full_prompt_tokens,
-            self.kv_bytes_per_token,
-            bandwidth,
-            self.state_bytes,
-        )
-        validate_delay_ms(full_prompt.delay_ms(0))
+        # The full prompt's delay whatever the mode (DESIGN.md, correction 6).
+        validate_delay_ms(self._delay_ms(self.full_prompt_tokens))
 
 
 def validate_delay_ms(delay_ms: float | None) -> None:
