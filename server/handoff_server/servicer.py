@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -321,7 +321,7 @@ def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
     return request.hello
 
 
-def reports_of(request: pb.ConnectRequest) -> list[pb.ConnectRequest | pb.ConnectReport]:
+def reports_of(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
     """The reports in one Connect message after the hello, in order; one ack is owed each.
 
     The message's own kind counts as a report even when it is not one (a
@@ -330,7 +330,7 @@ def reports_of(request: pb.ConnectRequest) -> list[pb.ConnectRequest | pb.Connec
     """
     batch = request.reports
     if batch and request.WhichOneof("kind") is None:
-        return list(batch)
+        return batch  # the field itself: counting it makes no wrapper per report
     return [request, *batch]
 
 
