@@ -148,14 +148,27 @@ def start_request(request: pb.StartHandoffRequest) -> StartRequest:
     )
 
 
+# Values without a payload, immutable: one of each serves every report.
+FACT_TRANSFER_COMPLETED, FACT_TIMED_OUT, FACT_FAILED, FACT_CANCELED = (
+    TransferCompleted(),
+    TimedOut(),
+    Failed(),
+    Canceled(),
+)
+PLAIN_OUTCOMES = {kind: Outcome(kind) for kind in OutcomeKind if kind is not OutcomeKind.FAILED}
+
+
 def fact(message: pb.Fact) -> Fact:
     which = message.WhichOneof("kind")
     if which is None:
         raise InvalidArgument("fact is required: set one of its kinds")
     if which == "source_held":
-        if not message.source_held.HasField("transfer_timing"):
+        # Each read of a sub-message builds a wrapper: read each once, and
+        # pass the fields by position (frozen dataclasses set each by hand).
+        held = message.source_held
+        if not held.HasField("transfer_timing"):
             raise InvalidArgument("fact.source_held.transfer_timing is required")
-        timing = message.source_held.transfer_timing
+        timing = held.transfer_timing
         mode = TIMING_MODES.get(timing.mode)
         if mode is None:
             raise InvalidArgument("fact.source_held.transfer_timing.mode is required")
@@ -163,24 +176,22 @@ def fact(message: pb.Fact) -> Fact:
         # the conformance vectors define.
         return SourceHeld(
             TransferTiming(
-                mode=mode,
-                full_prompt_tokens=timing.full_prompt_tokens,
-                kv_bytes_per_token=timing.kv_bytes_per_token
-                if timing.HasField("kv_bytes_per_token")
-                else None,
-                bandwidth_gb_s=timing.bandwidth_gb_s if timing.HasField("bandwidth_gb_s") else None,
-                state_bytes=timing.state_bytes,
+                mode,
+                timing.full_prompt_tokens,
+                timing.kv_bytes_per_token if timing.HasField("kv_bytes_per_token") else None,
+                timing.bandwidth_gb_s if timing.HasField("bandwidth_gb_s") else None,
+                timing.state_bytes,
             )
         )
     if which == "destination_reserved":
         return DestinationReserved(message.destination_reserved.transferable_prompt_tokens)
     if which == "failed":
         _reason(message.failed.reason, "fact.failed.reason", required=False)
-        return Failed()
+        return FACT_FAILED
     if which == "canceled":
         _reason(message.canceled.reason, "fact.canceled.reason", required=False)
-        return Canceled()
-    return TransferCompleted() if which == "transfer_completed" else TimedOut()
+        return FACT_CANCELED
+    return FACT_TRANSFER_COMPLETED if which == "transfer_completed" else FACT_TIMED_OUT
 
 
 def _reason(value: str, field: str, required: bool) -> str:
@@ -199,7 +210,7 @@ def outcome(message: pb.Outcome) -> Outcome:
         return Outcome(kind, _reason(message.reason, "outcome.reason", required=True))
     # A reason on a success means nothing; dropping it keeps a re-report with
     # or without one from looking like a conflicting outcome.
-    return Outcome(kind)
+    return PLAIN_OUTCOMES[kind]
 
 
 # --- out --------------------------------------------------------------------
