@@ -88,18 +88,38 @@ def bytes_per_live_handoff(count: int) -> float:
     return used / count
 
 
+def bytes_per_packed_handoff(count: int) -> float:
+    """What a retained handoff keeps of its core: a completed one, packed."""
+    ids = [str(uuid.uuid4()) for _ in range(count)]
+    orders = [Order.SOURCE_FIRST, Order.DESTINATION_FIRST]
+    gc.collect()
+    tracemalloc.start()
+    baseline = tracemalloc.get_traced_memory()[0]
+    packed = [success_path(i, orders[n & 1]).pack() for n, i in enumerate(ids)]
+    used = tracemalloc.get_traced_memory()[0] - baseline
+    tracemalloc.stop()
+    assert len(packed) == count
+    return used / count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--handoffs", type=int, default=200_000, help="success paths to time")
     parser.add_argument("--live", type=int, default=100_000, help="handoffs alive for memory")
+    parser.add_argument("--retained", type=int, default=100_000, help="completed, packed")
     parser.add_argument("--rounds", type=int, default=3, help="best of this many timings")
     args = parser.parse_args()
     rate = max(throughput(args.handoffs) for _ in range(args.rounds))
     per_handoff = bytes_per_live_handoff(args.live)
+    per_packed = bytes_per_packed_handoff(args.retained)
     print(f"success-path handoffs/s (single thread, best of {args.rounds}): {rate:,.0f}")
     print(
         f"memory per live handoff ({args.live:,} alive mid-flight, tracemalloc): "
         f"{per_handoff:,.0f} bytes"
+    )
+    print(
+        f"memory per completed handoff's packed core ({args.retained:,} retained, "
+        f"tracemalloc): {per_packed:,.0f} bytes"
     )
 
 
