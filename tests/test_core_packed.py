@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from handoff_server.conformance import (
@@ -165,3 +166,12 @@ def test_all_vectors_pass_when_completed_handoffs_are_packed_between_calls() -> 
     # Thousands of completed states, and they are a few dozen shared objects.
     assert len(endings) > 1000
     assert len({id(e) for e in endings}) <= 48
+
+
+def test_a_reopened_handoff_is_not_packed_until_it_completes_again() -> None:
+    handoff = completed(Order.SOURCE_FIRST)
+    cancel = only(handoff.apply_fact(Canceled()))
+    with pytest.raises(AssertionError, match="only a completed handoff"):
+        handoff.pack()
+    handoff.apply_outcome(cancel.id, APPLIED)
+    assert handoff.pack().completion is Completion.CANCELED

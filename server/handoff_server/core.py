@@ -172,9 +172,9 @@ class Handoff:
 
     def pack(self) -> Completed:
         """This completed handoff in a few words, for as long as it is retained."""
+        assert self._phase is COMPLETE, "only a completed handoff is packed"
         completion = self._completion
-        assert completion is not None, "only a completed handoff is packed"
-        assert not self._issued, "a completed handoff's journal is empty"
+        assert completion is not None
         ending = Ending(self.order, completion, tuple(self._lifecycle), _rest_of(self))
         return Completed(
             self.handoff_id, self.fallback_transfer_delay_ms, _ENDINGS.setdefault(ending, ending)
