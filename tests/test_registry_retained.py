@@ -141,3 +141,20 @@ def test_a_retained_handoff_costs_a_fraction_of_a_live_one() -> None:
     # The record, its packed core, its timestamps and the registry's two
     # references to it (about 290 bytes); in full it was about 1,350.
     assert each < 400
+
+
+def test_a_reused_id_is_not_abandoned_by_its_predecessors_cleanup_timer() -> None:
+    h = Harness(max_retained=1, cleanup_timeout_s=300.0)
+    handoff_id = h.start()
+    (cancel,) = h.registry.report_fact(handoff_id, Canceled()).actions  # abandon timer at 300 s
+    h.registry.report_outcome(handoff_id, cancel.action.id, APPLIED)
+    h.succeed(h.start())  # evicts the first handoff: its id is free again
+    h.advance(1.0)
+    h.start(handoff_id)
+    h.advance(249.0)
+    (cancel,) = h.registry.report_fact(handoff_id, Canceled()).actions  # its own timer at 550 s
+    h.advance(100.0)  # past the predecessor's 300 s
+    assert h.phase(handoff_id) is Phase.CLEANING_UP
+    h.advance(200.0)
+    with pytest.raises(NotFound):
+        h.registry.get(handoff_id)  # abandoned after its own cleanup timeout

@@ -148,7 +148,10 @@ class Entry:
         self.lifecycle_at: list[float] = []  # when each core.lifecycle event was proven
         self.routed: dict[int, Routed] = {}  # outstanding actions by id
         self.held_at: float | None = None
-        self.cleanup_epoch = 0  # bumps each time cleanup (re)starts; stales old timers
+        # Renewed each time cleanup (re)starts, from the registry-wide counter:
+        # it stales the timers of an earlier cleanup, even one of an earlier
+        # handoff under the same id (evicted or expired, then reused).
+        self.cleanup_epoch = 0
         self.redelivery_round = 0
         # Kept by convert.handoff, opaque here: the answer's encoding so far,
         # so that answering a report encodes only what the report changed.
@@ -617,7 +620,7 @@ class Registry:
                 self._retained_count -= 1
                 self._engage(entry, now)
                 log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
-            entry.cleanup_epoch += 1
+            entry.cleanup_epoch = next(self._epochs)
             entry.redelivery_round = 0
             key = entry.handoff_id
             self._schedule(
