@@ -223,14 +223,17 @@ class StreamEngine(Engine):
     async def _requests(self) -> AsyncIterator[pb.ConnectRequest]:
         yield pb.ConnectRequest(hello=self.hello)
         while True:
+            # Cleared before looking, never after a yield: a report queued
+            # while a message was being written must not be slept through.
+            self.wake.clear()
             if self.pending.reports:
                 message, self.pending = self.pending, pb.ConnectRequest()
                 yield message
+                continue
             while self.singles:
                 yield self.singles.popleft()
             if self.closing:
                 return  # the half-close
-            self.wake.clear()
             await self.wake.wait()
 
     async def _read(self) -> None:
