@@ -61,15 +61,14 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         try:
             return work()
         except HandoffError as error:
-            subject = subject if isinstance(subject, str) else subject()
-            code = grpc.StatusCode[error.code]
-            message = f"{subject}: {error.message}"
+            code, reason = grpc.StatusCode[error.code], error.message
+            named = subject if isinstance(subject, str) else subject()
         except Exception:
-            subject = subject if isinstance(subject, str) else subject()
-            log.exception("unexpected failure in %s", rpc, extra={"subject": subject})
-            code, message = grpc.StatusCode.INTERNAL, f"{subject}: internal error in {rpc}"
+            code, reason = grpc.StatusCode.INTERNAL, f"internal error in {rpc}"
+            named = subject if isinstance(subject, str) else subject()
+            log.exception("unexpected failure in %s", rpc, extra={"subject": named})
         self.metrics.rejected(rpc, code.name)
-        raise Rejection(code, message)
+        raise Rejection(code, f"{named}: {reason}")
 
     # --- unary --------------------------------------------------------------
 
