@@ -114,16 +114,25 @@ class RawConnect:
         assert await self.call.code() is grpc.StatusCode.OK
 
 
+async def started(
+    stub: Stub, *, batch: bool = False, lean_acks: bool = False
+) -> tuple[RawConnect, str, pb.ConnectResponse]:
+    """An engine on Connect that is both ends of a new handoff, and the first message it got."""
+    hello = pb.ConnectHello(engine_id=SOURCE, batch=batch, lean_acks=lean_acks)
+    engine = RawConnect(stub, hello)
+    await engine.call.initial_metadata()
+    handoff_id = str(uuid.uuid4())
+    await stub.StartHandoff(start_request(handoff_id, destination_engine_id=SOURCE))
+    first = await engine.call.read()
+    assert isinstance(first, pb.ConnectResponse)
+    return engine, handoff_id, first
+
+
 async def test_reports_in_one_message_are_answered_in_one_packed_message(stub: Stub) -> None:
     """Three reports in one message, the second rejected: three acks in report
     order, and the action the third caused, all in the one message written next."""
     async with asyncio.timeout(10):
-        engine = RawConnect(stub, pb.ConnectHello(engine_id=SOURCE, batch=True))
-        await engine.call.initial_metadata()
-        handoff_id = str(uuid.uuid4())
-        await stub.StartHandoff(start_request(handoff_id, destination_engine_id=SOURCE))
-        first = await engine.call.read()
-        assert isinstance(first, pb.ConnectResponse)
+        engine, handoff_id, first = await started(stub, batch=True)
         assert first.WhichOneof("kind") is None
         assert not first.acks
         assert [a.kind for a in first.actions] == [pb.ACTION_KIND_SUBMIT_PREFILL]
@@ -160,12 +169,7 @@ async def test_reports_in_one_message_are_answered_in_one_packed_message(stub: S
 
 async def test_lean_acks_carry_only_the_answer(stub: Stub) -> None:
     async with asyncio.timeout(10):
-        engine = RawConnect(stub, pb.ConnectHello(engine_id=SOURCE, lean_acks=True))
-        await engine.call.initial_metadata()
-        handoff_id = str(uuid.uuid4())
-        await stub.StartHandoff(start_request(handoff_id, destination_engine_id=SOURCE))
-        submit = await engine.call.read()
-        assert isinstance(submit, pb.ConnectResponse)
+        engine, handoff_id, submit = await started(stub, lean_acks=True)
         assert submit.action.kind == pb.ACTION_KIND_SUBMIT_PREFILL
         accepted = await engine.send(
             pb.ConnectRequest(
