@@ -1,4 +1,9 @@
-"""Shared test helpers: where the conformance vectors live."""
+"""Shared test helpers: where the conformance vectors live.
+
+The repository carries its own copy in tests/conformance/ (the 2,000 vectors
+of the seed's semantics and the 1,500 in which an engine is lost);
+HANDOFF_VECTORS_DIR points the tests at another copy.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,12 @@ import pytest
 from handoff_server.conformance import Vector, load_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
-VECTORS = Path(
-    os.environ.get("HANDOFF_VECTORS", ROOT.parent / "shared" / "conformance" / "vectors.jsonl")
-)
+VECTORS_DIR = Path(os.environ.get("HANDOFF_VECTORS_DIR", ROOT / "tests" / "conformance"))
+VECTORS = VECTORS_DIR / "vectors.jsonl"
+LOST_VECTORS = VECTORS_DIR / "vectors-lost.jsonl"
 
 
-def all_vectors() -> list[Vector]:
-    if not VECTORS.exists():
-        pytest.fail(f"conformance vectors not found at {VECTORS} (set HANDOFF_VECTORS)")
-    return list(load_vectors(VECTORS))
+def all_vectors(path: Path = VECTORS) -> list[Vector]:
+    if not path.exists():
+        pytest.fail(f"conformance vectors not found at {path} (HANDOFF_VECTORS_DIR)")
+    return list(load_vectors(path))

@@ -1,6 +1,6 @@
 """Conformance vectors: parse them, and compare what an implementation answered.
 
-The format is described in ``shared/conformance/README.md``. This module knows
+The format is described in ``tests/conformance/README.md``. This module knows
 nothing about how a step is executed: the core runner below calls the state
 machine directly, the service tests drive a running server over gRPC, and both
 compare with :func:`mismatch`.

@@ -15,7 +15,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="replay conformance vectors through the state machine",
         description=(
             "Replay every vector in each FILE (JSON lines, the format of "
-            "shared/conformance/README.md) through the coordinator core. Prints the "
+            "tests/conformance/README.md) through the coordinator core. Prints the "
             "first mismatching step of each failing vector and a closing "
             "'N passed, M failed' line; exits 0 only when nothing failed."
         ),
