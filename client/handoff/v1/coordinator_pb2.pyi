@@ -263,6 +263,10 @@ class _LifecycleEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Li
     """ReleaseSource was acknowledged"""
     LIFECYCLE_EVENT_KIND_COMPLETED: _LifecycleEventKind.ValueType  # 6
     """Complete was issued"""
+    LIFECYCLE_EVENT_KIND_SOURCE_LOST: _LifecycleEventKind.ValueType  # 7
+    """EngineLost{source} was first applied"""
+    LIFECYCLE_EVENT_KIND_DESTINATION_LOST: _LifecycleEventKind.ValueType  # 8
+    """EngineLost{destination} was first applied"""
 
 class LifecycleEventKind(_LifecycleEventKind, metaclass=_LifecycleEventKindEnumTypeWrapper): ...
 
@@ -279,6 +283,10 @@ LIFECYCLE_EVENT_KIND_SOURCE_RELEASED: LifecycleEventKind.ValueType  # 5
 """ReleaseSource was acknowledged"""
 LIFECYCLE_EVENT_KIND_COMPLETED: LifecycleEventKind.ValueType  # 6
 """Complete was issued"""
+LIFECYCLE_EVENT_KIND_SOURCE_LOST: LifecycleEventKind.ValueType  # 7
+"""EngineLost{source} was first applied"""
+LIFECYCLE_EVENT_KIND_DESTINATION_LOST: LifecycleEventKind.ValueType  # 8
+"""EngineLost{destination} was first applied"""
 Global___LifecycleEventKind: _TypeAlias = LifecycleEventKind  # noqa: Y015
 
 @_typing.final
@@ -455,8 +463,35 @@ class Canceled(_message.Message):
 Global___Canceled: _TypeAlias = Canceled  # noqa: Y015
 
 @_typing.final
+class EngineLost(_message.Message):
+    """An engine's memory for this handoff is gone: it died, restarted with
+    empty memory, or freed on its own after losing the coordinator. Never
+    rejected; no cleanup is owed to that engine any more. The server reports
+    it itself for an unreachable or restarted engine; a frontend may report
+    it too (say, when Kubernetes reports the pod dead).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    role: Global___Role.ValueType
+    """ROLE_SOURCE or ROLE_DESTINATION."""
+    def __init__(
+        self,
+        *,
+        role: Global___Role.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineLost: _TypeAlias = EngineLost  # noqa: Y015
+
+@_typing.final
 class Fact(_message.Message):
-    """One fact an engine (or the frontend, for Canceled) observed."""
+    """One fact an engine (or the frontend, for Canceled and EngineLost) observed."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -466,6 +501,7 @@ class Fact(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     TIMED_OUT_FIELD_NUMBER: _builtins.int
     CANCELED_FIELD_NUMBER: _builtins.int
+    ENGINE_LOST_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def source_held(self) -> Global___SourceHeld: ...
     @_builtins.property
@@ -478,6 +514,8 @@ class Fact(_message.Message):
     def timed_out(self) -> Global___TimedOut: ...
     @_builtins.property
     def canceled(self) -> Global___Canceled: ...
+    @_builtins.property
+    def engine_lost(self) -> Global___EngineLost: ...
     def __init__(
         self,
         *,
@@ -487,12 +525,13 @@ class Fact(_message.Message):
         failed: Global___Failed | None = ...,
         timed_out: Global___TimedOut | None = ...,
         canceled: Global___Canceled | None = ...,
+        engine_lost: Global___EngineLost | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["canceled", b"canceled", "destination_reserved", b"destination_reserved", "failed", b"failed", "kind", b"kind", "source_held", b"source_held", "timed_out", b"timed_out", "transfer_completed", b"transfer_completed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["canceled", b"canceled", "destination_reserved", b"destination_reserved", "engine_lost", b"engine_lost", "failed", b"failed", "kind", b"kind", "source_held", b"source_held", "timed_out", b"timed_out", "transfer_completed", b"transfer_completed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["canceled", b"canceled", "destination_reserved", b"destination_reserved", "failed", b"failed", "kind", b"kind", "source_held", b"source_held", "timed_out", b"timed_out", "transfer_completed", b"transfer_completed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["canceled", b"canceled", "destination_reserved", b"destination_reserved", "engine_lost", b"engine_lost", "failed", b"failed", "kind", b"kind", "source_held", b"source_held", "timed_out", b"timed_out", "transfer_completed", b"transfer_completed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["source_held", "destination_reserved", "transfer_completed", "failed", "timed_out", "canceled"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["source_held", "destination_reserved", "transfer_completed", "failed", "timed_out", "canceled", "engine_lost"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
@@ -537,6 +576,7 @@ class Action(_message.Message):
     TARGET_FIELD_NUMBER: _builtins.int
     ATTEMPT_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
+    COMPLETION_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """The handoff it belongs to."""
     id: _builtins.int
@@ -551,6 +591,11 @@ class Action(_message.Message):
     """Delivery attempt on StreamActions/Connect, from 1; 0 in RPC responses."""
     engine_id: _builtins.str
     """The engine the action is addressed to (for ROLE_BOTH, the receiving one)."""
+    completion: Global___Completion.ValueType
+    """For COMPLETE: how the handoff ended. An engine that still holds
+    something for the handoff frees it on this notice: the source after any
+    completion, the destination after CANCELED if it was never activated.
+    """
     def __init__(
         self,
         *,
@@ -561,10 +606,11 @@ class Action(_message.Message):
         target: Global___Role.ValueType = ...,
         attempt: _builtins.int = ...,
         engine_id: _builtins.str = ...,
+        completion: Global___Completion.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "delay_ms", b"delay_ms", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -616,6 +662,7 @@ class Handoff(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     COMPLETED_AT_FIELD_NUMBER: _builtins.int
     FALLBACK_TRANSFER_DELAY_MS_FIELD_NUMBER: _builtins.int
+    ABANDONED_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """UUID chosen by the caller."""
     order: Global___HandoffOrder.ValueType
@@ -630,6 +677,10 @@ class Handoff(_message.Message):
     """Which role executes START_TRANSFER."""
     fallback_transfer_delay_ms: _builtins.float
     """Transfer delay used when the timing model is incomplete."""
+    abandoned: _builtins.bool
+    """The handoff was abandoned: still cleaning up after the cleanup timeout.
+    outstanding_actions then lists what was left unacknowledged.
+    """
     @_builtins.property
     def outstanding_actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Action]:
         """Issued actions still waiting for their outcome, in issue order."""
@@ -666,10 +717,11 @@ class Handoff(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         completed_at: _timestamp_pb2.Timestamp | None = ...,
         fallback_transfer_delay_ms: _builtins.float = ...,
+        abandoned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["completed_at", b"completed_at", "deadline", b"deadline", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_at", b"completed_at", "completion", b"completion", "deadline", b"deadline", "destination_engine_id", b"destination_engine_id", "fallback_transfer_delay_ms", b"fallback_transfer_delay_ms", "handoff_id", b"handoff_id", "lifecycle", b"lifecycle", "order", b"order", "outstanding_actions", b"outstanding_actions", "phase", b"phase", "source_engine_id", b"source_engine_id", "started_at", b"started_at", "transfer_executor", b"transfer_executor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned", b"abandoned", "completed_at", b"completed_at", "completion", b"completion", "deadline", b"deadline", "destination_engine_id", b"destination_engine_id", "fallback_transfer_delay_ms", b"fallback_transfer_delay_ms", "handoff_id", b"handoff_id", "lifecycle", b"lifecycle", "order", b"order", "outstanding_actions", b"outstanding_actions", "phase", b"phase", "source_engine_id", b"source_engine_id", "started_at", b"started_at", "transfer_executor", b"transfer_executor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -731,23 +783,31 @@ class StartHandoffResponse(_message.Message):
 
     HANDOFF_FIELD_NUMBER: _builtins.int
     ACTIONS_FIELD_NUMBER: _builtins.int
+    ALREADY_STARTED_FIELD_NUMBER: _builtins.int
+    already_started: _builtins.bool
+    """The id was already started with identical parameters (a retried
+    StartHandoff): handoff is its current state and nothing new was issued.
+    """
     @_builtins.property
     def handoff(self) -> Global___Handoff:
         """The handoff after starting."""
 
     @_builtins.property
     def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Action]:
-        """The actions starting issued (also delivered on the engines' streams)."""
+        """The actions starting issued (also delivered on the engines' streams).
+        Empty when already_started.
+        """
 
     def __init__(
         self,
         *,
         handoff: Global___Handoff | None = ...,
         actions: _abc.Iterable[Global___Action] | None = ...,
+        already_started: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["handoff", b"handoff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "handoff", b"handoff"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "already_started", b"already_started", "handoff", b"handoff"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -870,16 +930,33 @@ class StreamActionsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The subscribing engine: 1-128 characters of [A-Za-z0-9._:-]."""
+    incarnation: _builtins.str
+    """The engine's incarnation: new each time the engine's memory starts
+    empty (a process start). Same incarnation: a resubscription, outstanding
+    actions are redelivered. A new one: the server declares the old one lost
+    in every unfinished handoff its actions reached. An older one while a
+    newer one is live: FAILED_PRECONDITION. Empty: no fencing (as before).
+    At most 128 characters of [A-Za-z0-9._:-].
+    """
+    session_id: _builtins.str
+    """Random per sidecar object. The same incarnation and session replaces its
+    old stream (a reconnect); the same incarnation from another session is
+    refused while the old stream is live. At most 128 characters.
+    """
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -936,6 +1013,8 @@ class ConnectHello(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     BATCH_FIELD_NUMBER: _builtins.int
     LEAN_ACKS_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The engine: 1-128 characters of [A-Za-z0-9._:-]."""
     batch: _builtins.bool
@@ -951,16 +1030,22 @@ class ConnectHello(_message.Message):
     must execute arrive as actions anyway); building the handoff's state is
     the largest part of answering a report.
     """
+    incarnation: _builtins.str
+    """As StreamActionsRequest.incarnation."""
+    session_id: _builtins.str
+    """As StreamActionsRequest.session_id."""
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
         batch: _builtins.bool = ...,
         lean_acks: _builtins.bool = ...,
+        incarnation: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "engine_id", b"engine_id", "lean_acks", b"lean_acks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "engine_id", b"engine_id", "incarnation", b"incarnation", "lean_acks", b"lean_acks", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
