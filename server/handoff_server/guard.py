@@ -32,13 +32,14 @@ from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
 from handoff_server.metrics import RPCS, Metrics
 from handoff_server.security import EngineIdentities, TokenSet
-from handoff_server.servicer import reports_of
+from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE, reports_of
 
 log = logging.getLogger("handoff.guard")
 
 SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name + "/"
-# Connect reports read but not yet acknowledged to the peer, per stream.
-MAX_UNACKED_REPORTS = 128
+# Connect reports read but not yet acknowledged to the peer, per stream: at
+# least one message's worth, so that a full message is never held back alone.
+MAX_UNACKED_REPORTS = MAX_REPORTS_PER_MESSAGE
 
 # grpc's handler objects are untyped at this level: behaviours take and
 # return messages of whichever type the method has.
