@@ -11,13 +11,17 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.guard import MAX_UNACKED_REPORTS
+from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.conftest import StartServer
+from tests.fuzz_support import REFUSAL_NUMBERS
 from tests.grpc_support import StreamRecorder
 from tests.security_support import Stub
 
@@ -338,3 +342,82 @@ def test_limits_that_cannot_work_are_refused() -> None:
         Settings(max_concurrent_rpcs=10, max_engines=10)
     with pytest.raises(ValueError, match="keepalive_time_s and keepalive_timeout_s must be > 0"):
         Settings(keepalive_time_s=0)
+
+
+MESSAGE_LIMIT = 65536  # the default max_message_bytes
+
+
+def report_messages() -> st.SearchStrategy[pb.ConnectRequest]:
+    """Connect messages of many small reports or fewer large ones, many at or
+    near the default message size limit."""
+    counts = st.one_of(
+        st.integers(0, 2 * MAX_REPORTS_PER_MESSAGE),
+        st.integers(MAX_REPORTS_PER_MESSAGE - 2, MAX_REPORTS_PER_MESSAGE + 2),
+        st.integers(20_000, 32_767),
+    )
+
+    def build(count: int, id_length: int, kinds: list[str]) -> pb.ConnectRequest:
+        message = pb.ConnectRequest()
+        for index in range(count):
+            report = message.reports.add(request_id=index)
+            kind = kinds[index % len(kinds)]
+            if kind == "fact":
+                report.fact.handoff_id = "f" * id_length
+                report.fact.fact.canceled.SetInParent()
+            elif kind == "outcome":
+                report.outcome.handoff_id = str(uuid.UUID(int=index))
+                report.outcome.action_id = index
+            # "empty": a report with neither, refused in its ack
+        return message
+
+    kinds = st.lists(st.sampled_from(["fact", "outcome", "empty"]), min_size=1, max_size=3)
+    return st.builds(build, counts, st.integers(0, 600), kinds)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(message=report_messages())
+async def test_connect_messages_at_the_size_limit_are_refused_or_answered_within_the_caps(
+    lean_server: Server, message: pb.ConnectRequest
+) -> None:
+    reports = len(message.reports)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(lean_server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+
+        async def requests() -> AsyncIterator[pb.ConnectRequest]:
+            yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id="fuzzed", batch=True))
+            yield message
+
+        call = stub.Connect(requests())
+        acks = [ack async for response in _until_end(call) for ack in response.acks]
+        code = await call.code()
+    if message.ByteSize() > MESSAGE_LIMIT:
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert acks == []
+    elif reports > MAX_REPORTS_PER_MESSAGE:
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_reports_per_message" in (await call.details() or "")
+        assert acks == []  # refused before any report was handled
+    else:
+        assert code is grpc.StatusCode.OK
+        # A message with no report at all is acknowledged (as refused) too.
+        assert [ack.request_id for ack in acks] == (list(range(reports)) or [0])
+        assert {ack.code for ack in acks} <= REFUSAL_NUMBERS | {0}
+    assert lean_server.registry.handoffs == {}
+
+
+async def _until_end(
+    call: grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse],
+) -> AsyncIterator[pb.ConnectResponse]:
+    """The call's responses until it ends, whatever its status."""
+    while True:
+        try:
+            response = await call.read()
+        except grpc.aio.AioRpcError:
+            return
+        if response is grpc.aio.EOF:
+            return
+        yield response
