@@ -418,6 +418,6 @@ async def _until_end(
             response = await call.read()
         except grpc.aio.AioRpcError:
             return
-        if response is grpc.aio.EOF:
-            return
+        if not isinstance(response, pb.ConnectResponse):
+            return  # grpc.aio.EOF: the call ended well
         yield response
