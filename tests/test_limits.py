@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -150,15 +151,38 @@ async def hello_then_wait(engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
     await asyncio.Event().wait()  # keeps the stream open until it is canceled
 
 
+async def reflecting(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall[Any, Any]:
+    """A reflection stream, open once its first answer arrived: a call of the
+    service's that stays in flight and belongs to no engine."""
+
+    async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        await asyncio.Event().wait()  # held open until canceled
+
+    call: grpc.aio.StreamStreamCall[Any, Any] = reflection_pb2_grpc.ServerReflectionStub(
+        channel
+    ).ServerReflectionInfo(requests())
+    first = await call.read()
+    assert isinstance(first, reflection_pb2.ServerReflectionResponse)
+    assert first.HasField("list_services_response")
+    return call
+
+
 async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer) -> None:
     server = await start_server(max_concurrent_rpcs=3, max_engines=2)
     async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
         stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
-        held = [await watching(channel) for _ in range(3)]
-        assert await code_of(stub.StartHandoff(start_request())) is (
-            grpc.StatusCode.RESOURCE_EXHAUSTED
+        held = [await reflecting(channel) for _ in range(3)]
+        refused = stub.StartHandoff(start_request())
+        assert await code_of(refused) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await refused.details() == (
+            "3 calls already in flight, the limit (max_concurrent_rpcs)"
         )
         assert server.registry.handoffs == {}
+        # Health has a budget of its own: the service's load never fails a probe.
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest())
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
         held.pop().cancel()
         # The server frees the slot once it has seen the cancellation, which
         # no event announces: retry, as a client would after RESOURCE_EXHAUSTED.
@@ -173,6 +197,61 @@ async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer)
         for call in held:
             call.cancel()
     assert len(server.registry.handoffs) == 1
+
+
+async def test_health_calls_have_their_own_budget_apart_from_the_service(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(max_health_watches=2, max_health_checks=1, health_port=0)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        channel_to(server) as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as health_channel,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        for port_channel in (channel, health_channel):
+            held = [await watching(port_channel) for _ in range(2)]
+            health = health_pb2_grpc.HealthStub(port_channel)
+            refused = health.Watch(health_pb2.HealthCheckRequest())
+            assert await refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await refused.details() == (
+                "2 health watches already in flight, the limit (max_health_watches)"
+            )
+            # Watchers take neither a probe's place nor the service's.
+            answer = await health.Check(health_pb2.HealthCheckRequest())
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            await stub.StartHandoff(start_request())
+            for call in held:
+                call.cancel()
+    assert len(server.registry.handoffs) == 2
+
+
+async def test_a_health_call_without_its_request_is_ended(start_server: StartServer) -> None:
+    server = await start_server(health_request_within_s=0.2, max_health_checks=1, health_port=0)
+    for port in (server.port, server.health_port):
+        async with (
+            asyncio.timeout(TIMEOUT_S),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            # Headers, then nothing: the shape of a unary call whose request never comes.
+            silent = channel.stream_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )(hold_open())
+            assert await silent.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await silent.details() == (
+                "health: no request within 0.2 s (health_request_within_s)"
+            )
+            # Its slot is free again: the one check allowed is answered.
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest())
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def hold_open() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+    await asyncio.Event().wait()  # sends nothing until the call is canceled
+    yield health_pb2.HealthCheckRequest()  # pragma: no cover (never reached)
 
 
 async def test_streams_per_connection_are_capped_and_the_rest_wait(

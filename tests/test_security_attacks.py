@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
@@ -142,3 +144,115 @@ async def test_a_connect_peer_at_the_cap_that_reads_its_acks_does_not_starve_oth
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*floods, return_exceptions=True)
     assert_unharmed(client, served)
+
+
+async def silent_check(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    """A health Check that sends its headers and never its request."""
+
+    async def nothing() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+        await asyncio.Event().wait()
+        yield health_pb2.HealthCheckRequest()  # pragma: no cover (never reached)
+
+    call = channel.stream_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )(nothing())
+    return await call.code()
+
+
+async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
+    served: Served,
+) -> None:
+    """10 connections of 200 Watch streams and 200 Checks that never send
+    their request, all without a token, on the gRPC port."""
+    connections, per_connection = 10, 200
+    own = ("grpc.use_local_subchannel_pool", 1)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        contextlib.AsyncExitStack() as stack,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(served.target, options=[own]))
+            for _ in range(connections)
+        ]
+        watches = [
+            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            for channel in channels
+            for _ in range(per_connection)
+        ]
+        checks = [
+            asyncio.create_task(silent_check(channel))
+            for channel in channels
+            for _ in range(per_connection)
+        ]
+        watch_codes = await asyncio.gather(*(call.code() for call in watches))
+        # Refused before the request is read; the client sometimes sees the
+        # stream's reset (CANCELLED) before the refusal. Never served.
+        assert set(watch_codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED}
+        assert watch_codes.count(grpc.StatusCode.UNAUTHENTICATED) > len(watch_codes) // 2
+        check_codes = await asyncio.gather(*checks)
+        # Each silent Check is ended after health_request_within_s, or refused
+        # at once when the checks' own budget is full (or reset, as above).
+        assert set(check_codes) <= {
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.CANCELLED,
+        }
+        assert grpc.StatusCode.DEADLINE_EXCEEDED in check_codes
+        await client.completed_at_least(MIN_COMPLETED)
+    assert_unharmed(client, served)
+
+
+async def test_watch_streams_on_the_health_port_never_fail_a_probe(served: Served) -> None:
+    """The issue's 64 Watch streams on the plaintext health port, then `handoff health`.
+
+    The health port takes 8 calls per connection, so the 64 come over 8 connections.
+    """
+    health_target = f"127.0.0.1:{served.health_port}"
+    own = ("grpc.use_local_subchannel_pool", 1)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        contextlib.AsyncExitStack() as stack,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(health_target, options=[own]))
+            for _ in range(8)
+        ]
+        watches = [
+            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            for channel in channels
+            for _ in range(8)
+        ]
+        codes = await asyncio.gather(*(_first_or_code(call) for call in watches))
+        assert codes.count(grpc.StatusCode.OK) == 16  # max_health_watches, held open
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 48
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "handoff_server.cli",
+            "health",
+            "--target",
+            health_target,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        output, _ = await probe.communicate()
+        assert probe.returncode == 0, output
+        assert b"is SERVING" in output
+        await client.completed_at_least(MIN_COMPLETED)
+        for call in watches:
+            call.cancel()
+    assert_unharmed(client, served)
+
+
+async def _first_or_code(call: grpc.aio.UnaryStreamCall[object, object]) -> grpc.StatusCode:
+    """OK once the stream's first answer arrived (it stays open), else its status."""
+    try:
+        await call.read()
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK

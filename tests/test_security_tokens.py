@@ -159,7 +159,7 @@ async def test_every_accepted_token_works_during_a_rotation(
     assert len(guarded.registry.handoffs) == 4
 
 
-async def test_health_is_exempt_and_reflection_is_not(
+async def test_health_check_is_exempt_and_watch_and_reflection_are_not(
     guarded: Server, channel: grpc.aio.Channel
 ) -> None:
     health = health_pb2_grpc.HealthStub(channel)
@@ -167,6 +167,12 @@ async def test_health_is_exempt_and_reflection_is_not(
     async with asyncio.timeout(TIMEOUT_S):
         answer = await health.Check(health_pb2.HealthCheckRequest())
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        # A Watch stays open: without a token, anyone could hold them by the thousand.
+        watch = health.Watch(health_pb2.HealthCheckRequest())
+        assert await watch.code() is grpc.StatusCode.UNAUTHENTICATED
+        watch = health.Watch(health_pb2.HealthCheckRequest(), metadata=bearer(OLD))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
         listing = reflection.ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")])
         )
@@ -287,9 +293,12 @@ async def test_unusable_tokens_stop_the_start(
 
 
 def test_readme_security_section_lists_every_security_flag() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """Each flag is in the README's Security section or in docs/limits.md (every limit)."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
     section = readme.partition("## Security")[2].partition("\n## ")[0]
     assert section, "README.md has no '## Security' section"
+    section += (root / "docs" / "limits.md").read_text()
     names = [f.name for f in dataclasses.fields(Settings)]
     # The security settings are one block, tls_cert to health_port.
     security_settings = names[names.index("tls_cert") : names.index("health_port") + 1]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -20,6 +20,8 @@ from handoff_server import security
 from handoff_server.config import Settings
 from handoff_server.guard import EngineStreams, Guard, grpc_options
 from handoff_server.metrics import Metrics
+from handoff_server.probes import HealthGate
+from handoff_server.quotas import Budget
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
 
@@ -50,6 +52,7 @@ class Server:
         self.metrics_port = 0
         self.health_port = 0
         self.engine_streams = EngineStreams(settings.max_engines)
+        self.service_calls = Budget("calls", settings.max_concurrent_rpcs, "max_concurrent_rpcs")
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
         self._metrics_server: Callable[[], None] | None = None
@@ -66,6 +69,7 @@ class Server:
         guard = Guard(
             metrics=self.metrics,
             streams=self.engine_streams,
+            calls=self.service_calls,
             tokens=tokens,
             exempt=tuple(p.strip() for p in settings.auth_exempt_methods.split(",") if p.strip()),
             identities=identities,
@@ -73,12 +77,15 @@ class Server:
         server = grpc.aio.server(
             interceptors=(guard,),
             options=grpc_options(settings),
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            # The guard and the health gate count calls by kind; this is
+            # gRPC's backstop for calls that never reach either (a unary
+            # call whose request never arrives), above both their limits.
+            maximum_concurrent_rpcs=2 * (settings.max_concurrent_rpcs + self._health_calls()),
         )
         pb_grpc.add_HandoffCoordinatorServicer_to_server(
             Servicer(self.registry, self.metrics), server
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_generic_rpc_handlers((self._health_gate().handler(),))
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -142,15 +149,34 @@ class Server:
         serving status is no secret. Bound here, started with the main port."""
         settings = self.settings
         server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 1024)], maximum_concurrent_rpcs=64
+            options=[
+                ("grpc.max_receive_message_length", 1024),
+                # A probe opens a connection per check: few calls per connection
+                # make a crowd of calls cost a crowd of connections.
+                ("grpc.max_concurrent_streams", 8),
+            ],
+            maximum_concurrent_rpcs=2 * self._health_calls(),
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_generic_rpc_handlers((self._health_gate().handler(),))
         self.health_port = server.add_insecure_port(
             f"{settings.health_host}:{settings.health_port}"
         )
         if self.health_port == 0:
             raise OSError(f"cannot bind health on {settings.health_host}:{settings.health_port}")
         return server
+
+    def _health_gate(self) -> HealthGate:
+        """Health for one port, on budgets of that port's own."""
+        settings = self.settings
+        return HealthGate(
+            self.health,
+            checks=settings.max_health_checks,
+            watches=settings.max_health_watches,
+            request_within_s=settings.health_request_within_s,
+        )
+
+    def _health_calls(self) -> int:
+        return self.settings.max_health_checks + self.settings.max_health_watches
 
     async def _run_timers(self) -> None:
         """Sleep until the registry's next timer (or an earlier one appears), then fire."""

@@ -1,7 +1,9 @@
-"""The interceptor in front of every call: tokens, undecodable input, stream limits.
+"""The interceptor in front of every call: tokens, undecodable input, call and stream limits.
 
 For every RPC it checks the bearer token (unless the method is exempt, like
-health). For the coordinator's own RPCs it also wraps the handler:
+health's Check). For every RPC but health's (which has budgets of its own,
+see :mod:`handoff_server.probes`) it counts the call against
+``max_concurrent_rpcs``. For the coordinator's own RPCs it also wraps the handler:
 
 - a request that does not decode gets INVALID_ARGUMENT (gRPC's own answer
   would be UNKNOWN, with the parser's exception in the message);
@@ -31,12 +33,15 @@ from handoff_server import security
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
 from handoff_server.metrics import RPCS, Metrics
+from handoff_server.probes import SERVICE as HEALTH_SERVICE
+from handoff_server.quotas import Budget
 from handoff_server.security import EngineIdentities, TokenSet
 from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE, reports_of
 
 log = logging.getLogger("handoff.guard")
 
 SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name + "/"
+HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
 # Connect reports read but not yet acknowledged to the peer, per stream: at
 # least one message's worth, so that a full message is never held back alone.
 MAX_UNACKED_REPORTS = MAX_REPORTS_PER_MESSAGE
@@ -126,12 +131,14 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         *,
         metrics: Metrics,
         streams: EngineStreams,
+        calls: Budget,
         tokens: TokenSet | None = None,
         exempt: tuple[str, ...] = (),
         identities: EngineIdentities | None = None,
     ) -> None:
         self.metrics = metrics
         self.streams = streams
+        self.calls = calls
         self.tokens = tokens
         self.exempt = exempt
         self.identities = identities
@@ -156,12 +163,15 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 self._count(method, grpc.StatusCode.UNAUTHENTICATED)
                 return _refusal(grpc.StatusCode.UNAUTHENTICATED, problem)
         handler = await continuation(handler_call_details)
-        if handler is None or not method.startswith(SERVICE_PREFIX):
+        if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        if method.startswith(SERVICE_PREFIX):
+            wrapped = self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        else:
+            wrapped = self._counted(handler)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
@@ -176,9 +186,35 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.metrics.rejected(rpc, code.name)
         await context.abort(code, message)
 
-    def _enter(self, context: Context) -> None:
+    async def _enter(self, rpc: str, context: Context) -> None:
+        """Admit the call (or refuse it) and note who makes it; :meth:`_leave` when it ends."""
+        if not self.calls.enter():
+            await self._refuse(
+                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
+            )
         if self.identities is not None:
             security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
+
+    def _leave(self) -> None:
+        self.calls.leave()
+
+    def _counted(self, handler: Handler) -> Handler:
+        """Another service's streaming handler (reflection), counted as a call."""
+        assert handler.stream_stream is not None, "only reflection is expected here"
+        inner = handler.stream_stream
+
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            if not self.calls.enter():
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal())
+            try:
+                async for response in inner(requests, context):
+                    yield response
+            finally:
+                self.calls.leave()
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
 
     def _wrap(self, rpc: str, handler: Handler) -> Handler:
         descriptor = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].methods_by_name[rpc]
@@ -192,8 +228,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             async def unary(request: Any, context: Context) -> Any:
                 if isinstance(request, Undecodable):
                     await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-                self._enter(context)
-                return await inner(request, context)
+                await self._enter(rpc, context)
+                try:
+                    return await inner(request, context)
+                finally:
+                    self._leave()
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, deserialize, handler.response_serializer
@@ -232,15 +271,18 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
             if isinstance(request, Undecodable):
                 await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-            self._enter(context)
-            engine_id = await self._admit(rpc, context, request.engine_id)
+            await self._enter(rpc, context)
             try:
-                async with contextlib.aclosing(inner(request, context)) as actions:
-                    async for action in actions:
-                        yield action
+                engine_id = await self._admit(rpc, context, request.engine_id)
+                try:
+                    async with contextlib.aclosing(inner(request, context)) as actions:
+                        async for action in actions:
+                            yield action
+                finally:
+                    if engine_id is not None:
+                        self.streams.release(engine_id)
             finally:
-                if engine_id is not None:
-                    self.streams.release(engine_id)
+                self._leave()
 
         return stream
 
@@ -251,11 +293,22 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         undecodable: str,
     ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            # Counted from the start: a stream holds its slot while it waits for a hello.
+            await self._enter(rpc, context)
+            try:
+                async with contextlib.aclosing(connected(requests, context)) as responses:
+                    async for response in responses:
+                        yield response
+            finally:
+                self._leave()
+
+        async def connected(
+            requests: AsyncIterator[Any], context: Context
+        ) -> AsyncGenerator[Any, None]:
             incoming = aiter(requests)
             first = await anext(incoming, None)
             if isinstance(first, Undecodable):
                 await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-            self._enter(context)
             engine_id = None
             if first is not None and first.WhichOneof("kind") == "hello":
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
