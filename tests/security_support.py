@@ -91,6 +91,7 @@ class Authority:
         dns: tuple[str, ...] = (),
         uris: tuple[str, ...] = (),
         ips: tuple[str, ...] = (),
+        emails: tuple[str, ...] = (),
         server: bool = False,
     ) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -98,6 +99,7 @@ class Authority:
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
         sans += [x509.UniformResourceIdentifier(u) for u in uris]
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        sans += [x509.RFC822Name(e) for e in emails]
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (
             x509.CertificateBuilder()

@@ -24,15 +24,26 @@ import grpc
 
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
-from handoff_server.model import Canceled, Fact, HandoffError
-from handoff_server.registry import Entry, Retained
+from handoff_server.model import (
+    Canceled,
+    DestinationReserved,
+    Fact,
+    Failed,
+    HandoffError,
+    SourceHeld,
+    TransferCompleted,
+)
+from handoff_server.registry import Entry, Retained, Role
 
 # RFC 6750 b64token: what an `Authorization: Bearer` header can carry.
 TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 # Short tokens can be guessed; 16 characters of b64token are ~96 bits at best.
 MIN_TOKEN_LENGTH = 16
 BEARER = re.compile(r"bearer +(\S+)", re.IGNORECASE)
-SAN_PROPERTY = "x509_subject_alternative_name"
+# The verified client certificate's SANs, by type, in gRPC's auth context.
+# Only these two types name an engine: an email or IP SAN never does, and a
+# URI SAN spelled like a host name is still a URI, not that host.
+SAN_PROPERTIES = {"DNS": "peer_dns", "URI": "peer_uri"}
 
 
 class SecurityConfigError(OSError):
@@ -176,16 +187,34 @@ def bearer_problem(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]
 # --- engine identity --------------------------------------------------------------
 
 
-class EngineIdentities:
-    """Which client-certificate SANs may act for which engine ids."""
+San = tuple[str, str]  # (type, value): ("DNS", "prefill-0.engines"), ("URI", "spiffe://...")
 
-    def __init__(self, engines_by_san: Mapping[str, frozenset[str]]) -> None:
+
+def typed_san(entry: str, where: str, engine_id: str) -> San:
+    """An identity file's SAN: ``DNS:name`` or ``URI:uri`` as written, and
+    without a prefix a URI when it has a scheme (``://``), else a DNS name."""
+    kind, colon, value = entry.partition(":")
+    if colon and kind.upper() in SAN_PROPERTIES and not value.startswith("//"):
+        if not value:
+            raise SecurityConfigError(f"{where}: engine {engine_id} has an empty {kind} SAN")
+        return kind.upper(), value
+    if colon and kind.upper() in ("EMAIL", "IP", "IP ADDRESS", "RID", "DIRNAME", "OTHERNAME"):
+        raise SecurityConfigError(
+            f"{where}: engine {engine_id}: {kind} SANs do not identify an engine (DNS or URI only)"
+        )
+    return ("URI" if "://" in entry else "DNS"), entry
+
+
+class EngineIdentities:
+    """Which client-certificate SANs, by type, may act for which engine ids."""
+
+    def __init__(self, engines_by_san: Mapping[San, frozenset[str]]) -> None:
         self._engines_by_san = dict(engines_by_san)
 
     def __len__(self) -> int:
         return len({e for engines in self._engines_by_san.values() for e in engines})
 
-    def engines_for(self, sans: Iterable[str]) -> frozenset[str]:
+    def engines_for(self, sans: Iterable[San]) -> frozenset[str]:
         found: set[str] = set()
         for san in sans:
             found |= self._engines_by_san.get(san, frozenset())
@@ -193,14 +222,14 @@ class EngineIdentities:
 
     @classmethod
     def parse(cls, text: str, where: str) -> EngineIdentities:
-        """``{"prefill-0": ["prefill-0.engines.svc", "spiffe://..."], ...}``."""
+        """``{"prefill-0": ["prefill-0.engines.svc", "URI:spiffe://..."], ...}``."""
         try:
             document = json.loads(text)
         except ValueError as error:
             raise SecurityConfigError(f"{where}: not JSON ({error})") from None
         if not isinstance(document, dict) or not document:
             raise SecurityConfigError(f"{where}: expected a non-empty object engine id -> SANs")
-        by_san: dict[str, set[str]] = {}
+        by_san: dict[San, set[str]] = {}
         for engine_id, sans in document.items():
             if not ENGINE_ID.fullmatch(engine_id):
                 raise SecurityConfigError(
@@ -218,7 +247,7 @@ class EngineIdentities:
                     f"{where}: engine {engine_id} needs a SAN or a non-empty list of SANs"
                 )
             for san in sans:
-                by_san.setdefault(san, set()).add(engine_id)
+                by_san.setdefault(typed_san(san, where, engine_id), set()).add(engine_id)
         return cls({san: frozenset(engines) for san, engines in by_san.items()})
 
 
@@ -234,18 +263,22 @@ def load_identities(settings: Settings) -> EngineIdentities | None:
 class Caller:
     """The peer of one call, when engine identities are enforced."""
 
-    sans: tuple[str, ...]
+    sans: tuple[San, ...]
     engines: frozenset[str]  # empty: not an engine (a frontend)
 
     @classmethod
     def of(
         cls, identities: EngineIdentities, auth_context: Mapping[str, Iterable[bytes]]
     ) -> Caller:
-        sans = tuple(v.decode("utf-8", "replace") for v in auth_context.get(SAN_PROPERTY, ()))
+        sans = tuple(
+            (kind, value.decode("utf-8", "replace"))
+            for kind, name in SAN_PROPERTIES.items()
+            for value in auth_context.get(name, ())
+        )
         return cls(sans, identities.engines_for(sans))
 
     def __str__(self) -> str:
-        shown = ", ".join(s[:80] for s in self.sans[:4]) or "no SAN"
+        shown = ", ".join(f"{kind}:{value[:80]}" for kind, value in self.sans[:4]) or "no SAN"
         return f"client certificate ({shown})"
 
 
@@ -268,22 +301,52 @@ def authorize_report(
 ) -> None:
     """For ReportFact and ReportOutcome (also on Connect), before the registry call.
 
-    An engine reports only for handoffs it takes part in, and outcomes only
-    of actions addressed to it. A caller bound to no engine (a frontend) may
-    report Canceled, and nothing else.
+    Authorization around the state machine, per role and kind of report: an
+    engine reports only for handoffs it takes part in, outcomes only of
+    actions addressed to it, and of the facts only those its role proves
+    (SourceHeld the source, DestinationReserved the destination,
+    TransferCompleted the transfer's executor; Failed and Canceled either
+    engine). A caller bound to no engine (a frontend) reports Failed,
+    Canceled, TimedOut and EngineLost, which only it (or the server) may.
     """
     caller = CALLER.get()
     if caller is None:
         return
     if not caller.engines:
-        if isinstance(fact, Canceled):
+        if action_id is None and not isinstance(fact, ENGINE_ONLY):
             return
-        what = "outcomes" if action_id is not None else "this fact"
+        what = "outcomes" if action_id is not None else f"{type(fact).__name__}"
         raise PermissionDenied(f"{caller} is bound to no engine; only engines report {what}")
     if not caller.engines & {entry.source_engine_id, entry.destination_engine_id}:
         raise PermissionDenied(f"{caller} acts for no engine of this handoff")
-    routed = entry.routed.get(action_id) if action_id is not None else None
-    if routed is not None and not caller.engines.intersection(routed[2]):
-        raise PermissionDenied(
-            f"action {action_id} is addressed to {', '.join(routed[2])}, not to {caller}"
-        )
+    if action_id is not None:
+        routed = entry.routed.get(action_id)
+        if routed is not None and not caller.engines.intersection(routed[2]):
+            raise PermissionDenied(
+                f"action {action_id} is addressed to {', '.join(routed[2])}, not to {caller}"
+            )
+        return
+    allowed = _reporters(entry, fact)
+    if not caller.engines & allowed:
+        name = type(fact).__name__
+        who = ", ".join(sorted(allowed)) or "no engine (the frontend's or the server's to report)"
+        raise PermissionDenied(f"{caller} may not report {name}: only {who} may")
+
+
+# Facts that only an engine proves: a frontend cannot know them.
+ENGINE_ONLY = (SourceHeld, DestinationReserved, TransferCompleted)
+
+
+def _reporters(entry: Entry | Retained, fact: Fact | None) -> frozenset[str]:
+    """The engines of ``entry`` that may report ``fact``."""
+    source, destination = entry.source_engine_id, entry.destination_engine_id
+    if isinstance(fact, SourceHeld):
+        return frozenset((source,))
+    if isinstance(fact, DestinationReserved):
+        return frozenset((destination,))
+    if isinstance(fact, TransferCompleted):
+        executor = entry.transfer_executor
+        return frozenset((source if executor is Role.SOURCE else destination,))
+    if isinstance(fact, Failed | Canceled):
+        return frozenset((source, destination))
+    return frozenset()  # TimedOut, EngineLost: the frontend's (or the server's own)
