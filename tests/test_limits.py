@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -197,6 +198,42 @@ async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer)
         for call in held:
             call.cancel()
     assert len(server.registry.handoffs) == 1
+
+
+async def test_calls_per_identity_are_capped_and_an_engine_s_streams_count_once(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("busy busy-token-0123456789\nother other-token-012345678\n")
+    server = await start_server(token_file=str(tokens), max_calls_per_identity=2)
+    busy = (("authorization", "Bearer busy-token-0123456789"),)
+    other = (("authorization", "Bearer other-token-012345678"),)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        first = stub.StreamActions(pb.StreamActionsRequest(engine_id="e1"), metadata=busy)
+        await first.initial_metadata()
+        second = stub.Connect(hello_then_wait("e2"), metadata=busy)
+        await second.initial_metadata()
+        refused = stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4())), metadata=busy)
+        assert await code_of(refused) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await refused.details() == (
+            "token busy has 2 calls in flight, the limit per identity (max_calls_per_identity)"
+        )
+        # Another identity is not affected.
+        lookup = stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4())), metadata=other)
+        assert await code_of(lookup) is grpc.StatusCode.NOT_FOUND
+        # A stream replacing the same engine's stream is admitted, and the
+        # two (while they overlap) count once.
+        again = stub.StreamActions(pb.StreamActionsRequest(engine_id="e1"), metadata=busy)
+        await again.initial_metadata()
+        assert [action async for action in first] == []  # replaced: it ended, OK
+        usage = server.quotas.usage("token busy")
+        assert usage is not None
+        assert usage.held() == 2
+        again.cancel()
+        second.cancel()
+        await server.engine_streams.wait_until(lambda live: not live)
+    assert server.quotas.usage("token busy") is None  # nothing held, nothing kept
 
 
 async def test_health_calls_have_their_own_budget_apart_from_the_service(

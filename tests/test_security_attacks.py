@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,7 +21,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
-from tests.attack_support import Served, WellBehaved, alongside, bearer, serving
+from tests.attack_support import (
+    Served,
+    WellBehaved,
+    alongside,
+    bearer,
+    serving,
+    start_request,
+)
 from tests.security_support import Stub
 
 TOKEN = "attack-test-token-0123456789"
@@ -256,3 +264,57 @@ async def _first_or_code(call: grpc.aio.UnaryStreamCall[object, object]) -> grpc
     except grpc.aio.AioRpcError as error:
         return error.code()
     return grpc.StatusCode.OK
+
+
+@pytest.fixture
+async def strict(tmp_path: Path) -> AsyncIterator[Served]:
+    """Named tokens, and per-identity limits low enough to reach in a few seconds."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"good {TOKEN}\nflood {ATTACKER} start,engine,report\n")
+    flags = (
+        *("--token-file", str(tokens)),
+        *("--max-starts-per-s-per-identity", "100"),
+        *("--max-active-handoffs-per-identity", "300"),
+        *("--max-calls-per-identity", "50"),
+    )
+    async with serving(tmp_path, *flags) as served:
+        yield served
+
+
+async def test_a_start_handoff_flood_hits_its_own_limits_and_nobody_else_s(
+    strict: Served,
+) -> None:
+    """One token holder starts handoffs as fast as it can (never finishing
+    them); the other's StartHandoff is never refused."""
+    flood_size, in_flight = 2000, 40
+    codes: Counter[str] = Counter()
+    details: set[str] = set()
+
+    async def flood(stub: Stub) -> None:
+        for _ in range(flood_size // in_flight):
+            request = start_request("flood-src", "flood-dst")
+            try:
+                await stub.StartHandoff(request, metadata=bearer(ATTACKER))
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as error:
+                codes[error.code().name] += 1
+                details.add(error.details() or "")
+
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(strict.target) as good,
+        grpc.aio.insecure_channel(strict.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        await asyncio.gather(*(flood(stub) for _ in range(in_flight)))
+        await client.completed_at_least(MIN_COMPLETED)
+    assert codes["OK"] <= 300  # max_active_handoffs_per_identity: none of them completes
+    assert codes["RESOURCE_EXHAUSTED"] == flood_size - codes["OK"]
+    assert details <= {
+        "token flood starts more than 100 handoffs per second, the limit per identity "
+        "(max_starts_per_s_per_identity)",
+        "token flood has 300 active handoffs, the limit per identity "
+        "(max_active_handoffs_per_identity)",
+    }
+    assert_unharmed(client, strict)

@@ -275,7 +275,10 @@ def write_file(path: Path, text: str) -> str:
         ("short", None, "shorter than 16"),
         ("has space in it 0123456789", None, "characters a bearer token cannot carry"),
         ("", "# only a comment\n\n", "hold no token"),
-        ("", f"{OLD}\nbad\ttoken-0123456789abc\n", "token 2 has characters"),
+        ("", f"{OLD}\nbad!token-0123456789abc\n", "token 2 has characters"),
+        ("", f"router {OLD} start,fly\n", "unknown scope fly"),
+        ("", f"router {OLD}\nrouter {NEW}\n", "token names must differ: router"),
+        ("", f"a/b {OLD}\n", "its name must be 1-64 characters"),
     ],
 )
 async def test_unusable_tokens_stop_the_start(

@@ -21,7 +21,7 @@ from handoff_server.config import Settings
 from handoff_server.guard import EngineStreams, Guard, grpc_options
 from handoff_server.metrics import Metrics
 from handoff_server.probes import HealthGate
-from handoff_server.quotas import Budget
+from handoff_server.quotas import Budget, Quotas
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
 
@@ -53,6 +53,13 @@ class Server:
         self.health_port = 0
         self.engine_streams = EngineStreams(settings.max_engines)
         self.service_calls = Budget("calls", settings.max_concurrent_rpcs, "max_concurrent_rpcs")
+        self.quotas = Quotas(
+            calls=settings.max_calls_per_identity,
+            active=settings.max_active_handoffs_per_identity,
+            starts_per_s=settings.max_starts_per_s_per_identity,
+            clock=self.clock,
+        )
+        self.registry.on_finished(self.quotas.finished)
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
         self._metrics_server: Callable[[], None] | None = None
@@ -70,6 +77,7 @@ class Server:
             metrics=self.metrics,
             streams=self.engine_streams,
             calls=self.service_calls,
+            quotas=self.quotas,
             tokens=tokens,
             exempt=tuple(p.strip() for p in settings.auth_exempt_methods.split(",") if p.strip()),
             identities=identities,

@@ -116,6 +116,17 @@ class Settings:
     max_connection_age_grace_s: float = _setting(
         30.0, "then give its calls this long to finish before they are cut, in seconds"
     )
+    max_calls_per_identity: int = _setting(
+        1000,
+        "calls in flight per caller identity (token name or certificate SAN); an engine's "
+        "streams count once per engine id",
+    )
+    max_active_handoffs_per_identity: int = _setting(
+        20_000, "handoffs not yet complete that one caller identity started, at most"
+    )
+    max_starts_per_s_per_identity: float = _setting(
+        1000.0, "StartHandoff calls per second per caller identity (bursts of one second's worth)"
+    )
     max_health_checks: int = _setting(
         32, "health Check calls in flight per port, apart from the service's calls"
     )
@@ -158,6 +169,8 @@ class Settings:
             "max_engines",
             "max_health_checks",
             "max_health_watches",
+            "max_calls_per_identity",
+            "max_active_handoffs_per_identity",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -170,6 +183,8 @@ class Settings:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.engine_identity_file and not self.tls_client_ca:
             raise ValueError("engine_identity_file needs mutual TLS (tls_client_ca)")
+        if self.max_starts_per_s_per_identity == 0:
+            raise ValueError("max_starts_per_s_per_identity must be > 0")
         if self.health_request_within_s == 0:
             raise ValueError("health_request_within_s must be > 0")
         if self.keepalive_time_s == 0 or self.keepalive_timeout_s == 0:

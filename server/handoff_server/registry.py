@@ -297,6 +297,7 @@ class Registry:
         self.clock = clock
         self._on_earlier_timer = on_earlier_timer
         self._on_idle: list[Callable[[], None]] = []
+        self._on_finished: list[Callable[[str], None]] = []
         self.handoffs: dict[str, Entry | Retained] = {}
         # Oldest first. A record stays here when its handoff is reopened (it is
         # skipped once it reaches the front), so leaving costs nothing.
@@ -328,6 +329,11 @@ class Registry:
     def on_idle(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever the number of unfinished handoffs drops to zero."""
         self._on_idle.append(callback)
+
+    def on_finished(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(handoff_id)`` whenever a handoff leaves the active set
+        (complete, or abandoned while cleaning up)."""
+        self._on_finished.append(callback)
 
     # --- calls ------------------------------------------------------------
 
@@ -644,6 +650,8 @@ class Registry:
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
+            for finished in self._on_finished:
+                finished(entry.handoff_id)
             if self.active_count == 0:
                 for callback in self._on_idle:
                     callback()
@@ -776,6 +784,8 @@ class Registry:
         )
         self.metrics.abandoned.inc()
         self._remove(entry)
+        for finished in self._on_finished:
+            finished(entry.handoff_id)
         if self.active_count == 0:
             for callback in self._on_idle:
                 callback()

@@ -103,6 +103,33 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 # --- bearer tokens ------------------------------------------------------------
 
 
+# What a token may call, by scope; a token without scopes in the file may call everything.
+SCOPES: Mapping[str, frozenset[str]] = {
+    "start": frozenset({"StartHandoff"}),
+    "report": frozenset({"ReportFact", "ReportOutcome"}),
+    "engine": frozenset({"StreamActions", "Connect"}),
+    "read": frozenset({"GetHandoff"}),
+}
+ALL_SCOPES = frozenset(SCOPES)
+TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """Who presents an accepted token: its name (the caller's identity) and scopes."""
+
+    name: str
+    scopes: frozenset[str] = ALL_SCOPES
+
+    def may_call(self, rpc: str) -> bool:
+        """``rpc`` is a coordinator method name; other services' calls need ``read``."""
+        needed = next((scope for scope, rpcs in SCOPES.items() if rpc in rpcs), "read")
+        return needed in self.scopes
+
+    def __str__(self) -> str:
+        return f"token {self.name}"
+
+
 class TokenSet:
     """The accepted tokens, compared in constant time.
 
@@ -111,36 +138,69 @@ class TokenSet:
     nothing about which token, or which prefix of one, was close.
     """
 
-    def __init__(self, tokens: Iterable[str]) -> None:
-        self._digests = tuple(hashlib.sha256(t.encode()).digest() for t in tokens)
+    def __init__(self, tokens: Iterable[str | tuple[str, Token]]) -> None:
+        named = [
+            (t, Token(f"token-{n}")) if isinstance(t, str) else t for n, t in enumerate(tokens, 1)
+        ]
+        self._digests = tuple((hashlib.sha256(t.encode()).digest(), who) for t, who in named)
         if not self._digests:
             raise SecurityConfigError("token authentication is on but no token is configured")
+        names = [who.name for _, who in self._digests]
+        repeated = {name for name in names if names.count(name) > 1}
+        if repeated:
+            raise SecurityConfigError(f"token names must differ: {', '.join(sorted(repeated))}")
 
     def __len__(self) -> int:
         return len(self._digests)
 
-    def accepts(self, presented: str) -> bool:
+    def identify(self, presented: str) -> Token | None:
         digest = hashlib.sha256(presented.encode()).digest()
-        found = False
-        for accepted in self._digests:
-            found |= hmac.compare_digest(accepted, digest)
+        found = None
+        for accepted, who in self._digests:
+            if hmac.compare_digest(accepted, digest):
+                found = who
         return found
 
+    def accepts(self, presented: str) -> bool:
+        return self.identify(presented) is not None
 
-def _checked_tokens(tokens: Iterable[str], where: str) -> list[str]:
-    checked = []
-    for number, token in enumerate(tokens, 1):
-        if not TOKEN.fullmatch(token):
+
+def _checked_token(token: str, where: str) -> str:
+    if not TOKEN.fullmatch(token):
+        raise SecurityConfigError(
+            f"{where} has characters a bearer token cannot carry "
+            "(allowed: A-Z a-z 0-9 - . _ ~ + / and trailing =)"
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise SecurityConfigError(f"{where} is shorter than {MIN_TOKEN_LENGTH} characters")
+    return token
+
+
+def _token_line(fields: list[str], where: str, number: int) -> tuple[str, Token]:
+    """``TOKEN`` (the old format: named token-N, every scope), or ``NAME TOKEN [SCOPE,...]``."""
+    if len(fields) == 1:
+        return _checked_token(fields[0], f"{where}: token {number}"), Token(f"token-{number}")
+    if len(fields) > 3:
+        raise SecurityConfigError(
+            f"{where}: line of token {number}: expected NAME TOKEN [SCOPE,...], "
+            f"got {len(fields)} fields"
+        )
+    name = fields[0]
+    if not TOKEN_NAME.fullmatch(name):
+        raise SecurityConfigError(
+            f"{where}: token {number}: its name must be 1-64 characters of [A-Za-z0-9._-]"
+        )
+    secret = _checked_token(fields[1], f"{where}: token {number} ({name})")
+    scopes = ALL_SCOPES
+    if len(fields) == 3:
+        scopes = frozenset(fields[2].split(","))
+        unknown = scopes - ALL_SCOPES
+        if unknown:
             raise SecurityConfigError(
-                f"{where}: token {number} has characters a bearer token cannot carry "
-                "(allowed: A-Z a-z 0-9 - . _ ~ + / and trailing =)"
+                f"{where}: token {number} ({name}): unknown scope {', '.join(sorted(unknown))} "
+                f"(known: {', '.join(sorted(ALL_SCOPES))})"
             )
-        if len(token) < MIN_TOKEN_LENGTH:
-            raise SecurityConfigError(
-                f"{where}: token {number} is shorter than {MIN_TOKEN_LENGTH} characters"
-            )
-        checked.append(token)
-    return checked
+    return secret, Token(name, scopes)
 
 
 def load_tokens(settings: Settings) -> TokenSet | None:
@@ -148,15 +208,21 @@ def load_tokens(settings: Settings) -> TokenSet | None:
 
     Several tokens may be valid at once: to rotate, add the new one, move
     the clients over, then remove the old one (each change needs a restart).
+    A token's name is its holder's identity, for the per-identity limits.
     """
-    tokens: list[str] = []
+    tokens: list[tuple[str, Token]] = []
     if settings.tokens:
         parts = [t.strip() for t in settings.tokens.split(",")]
-        tokens += _checked_tokens([t for t in parts if t], "tokens")
+        for number, token in enumerate((t for t in parts if t), 1):
+            tokens.append(
+                (_checked_token(token, f"tokens: token {number}"), Token(f"env-{number}"))
+            )
     if settings.token_file:
+        where = f"token_file {settings.token_file}"
         text = _read(settings.token_file, "token_file").decode("utf-8", "replace")
-        lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-        tokens += _checked_tokens([t for t in lines if t], f"token_file {settings.token_file}")
+        lines = (line.split("#", 1)[0].split() for line in text.splitlines())
+        for number, fields in enumerate((f for f in lines if f), 1):
+            tokens.append(_token_line(fields, where, number))
     if not settings.tokens and not settings.token_file:
         return None
     if not tokens:
@@ -164,8 +230,8 @@ def load_tokens(settings: Settings) -> TokenSet | None:
     return TokenSet(tokens)
 
 
-def bearer_problem(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
-    """Why the call's credentials are refused, or None when they are accepted.
+def authenticate(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]) -> Token | str:
+    """The token's holder, or why the call's credentials are refused.
 
     The reasons never echo what was sent.
     """
@@ -179,9 +245,7 @@ def bearer_problem(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]
     match = BEARER.fullmatch(text.strip())
     if match is None:
         return "authorization must be 'Bearer <token>'"
-    if not tokens.accepts(match.group(1)):
-        return "invalid bearer token"
-    return None
+    return tokens.identify(match.group(1)) or "invalid bearer token"
 
 
 # --- engine identity --------------------------------------------------------------
@@ -280,6 +344,15 @@ class Caller:
     def __str__(self) -> str:
         shown = ", ".join(f"{kind}:{value[:80]}" for kind, value in self.sans[:4]) or "no SAN"
         return f"client certificate ({shown})"
+
+
+def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
+    """A verified client certificate's first DNS or URI SAN, as the caller's
+    identity for the per-identity limits; None without one."""
+    for kind, name in SAN_PROPERTIES.items():
+        for value in auth_context.get(name, ()):
+            return f"certificate {kind}:{value.decode('utf-8', 'replace')[:128]}"
+    return None
 
 
 # Set by the guard for every coordinator call when identities are enforced;
