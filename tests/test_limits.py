@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server import guard
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.guard import MAX_UNACKED_REPORTS
@@ -234,6 +235,23 @@ async def test_calls_per_identity_are_capped_and_an_engine_s_streams_count_once(
         second.cancel()
         await server.engine_streams.wait_until(lambda live: not live)
     assert server.quotas.usage("token busy") is None  # nothing held, nothing kept
+
+
+async def test_a_connect_stream_without_its_hello_is_ended(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(guard, "HELLO_WITHIN_S", 0.2)
+    server = await start_server()
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+
+        async def nothing() -> AsyncIterator[pb.ConnectRequest]:
+            await asyncio.Event().wait()
+            yield pb.ConnectRequest()  # pragma: no cover (never reached)
+
+        silent = stub.Connect(nothing())
+        assert await silent.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await silent.details() == "no hello within 0.2 s of opening the stream"
 
 
 async def test_health_calls_have_their_own_budget_apart_from_the_service(

@@ -307,3 +307,26 @@ def test_readme_security_section_lists_every_security_flag() -> None:
     security_settings = names[names.index("tls_cert") : names.index("health_port") + 1]
     for name in [*security_settings, "metrics_host", "max_queued_actions_per_engine"]:
         assert "--" + name.replace("_", "-") in section, name
+
+
+async def test_a_named_token_may_call_only_what_its_scopes_allow(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"ops {OLD} read\nrouter {NEW} start,report,read\n")
+    server = await start_server(token_file=str(token_file))
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StartHandoff(start_request(), metadata=bearer(OLD))
+        assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert refused.value.details() == "token ops may not call StartHandoff (its scopes: read)"
+        started = await stub.StartHandoff(start_request(), metadata=bearer(NEW))
+        lookup = pb.GetHandoffRequest(handoff_id=started.handoff.handoff_id)
+        assert (await stub.GetHandoff(lookup, metadata=bearer(OLD))).handoff == started.handoff
+        engine = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE), metadata=bearer(NEW))
+        assert await engine.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert len(server.registry.handoffs) == 1
