@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from handoff_server.config import Settings
 from handoff_server.core import Completed, Handoff
+from handoff_server.logs import BurstLog
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     CLEANUP_KINDS,
@@ -298,6 +299,9 @@ class Registry:
         self._on_earlier_timer = on_earlier_timer
         self._on_idle: list[Callable[[], None]] = []
         self._on_finished: list[Callable[[str], None]] = []
+        # A burst of abandonments (a crowd of handoffs whose engine vanished)
+        # is one line a second, not one ERROR per handoff.
+        self._abandoned = BurstLog(log, logging.ERROR, 1.0, "handoffs abandoned")
         self.handoffs: dict[str, Entry | Retained] = {}
         # Oldest first. A record stays here when its handoff is reopened (it is
         # skipped once it reaches the front), so leaving costs nothing.
@@ -323,7 +327,11 @@ class Registry:
         return entry
 
     def next_wakeup(self) -> float | None:
-        candidates = [t for t in (self._timers.next_at(), self._next_expiry()) if t is not None]
+        candidates = [
+            t
+            for t in (self._timers.next_at(), self._next_expiry(), self._abandoned.due())
+            if t is not None
+        ]
         return min(candidates, default=None)
 
     def on_idle(self, callback: Callable[[], None]) -> None:
@@ -501,6 +509,7 @@ class Registry:
             elif kind == "abandon":
                 self._abandon(entry)
         self._expire_retained(now)
+        self._abandoned.flush(now)
         self._timers.compact(self._live_timers_bound())
 
     def _live_timers_bound(self) -> int:
@@ -776,11 +785,13 @@ class Registry:
             for action_id, (_, kind, engines) in entry.routed.items()
             for engine_id in engines
         ]
-        log.error(
+        self._abandoned.note(
+            self.clock(),
+            entry.handoff_id,
             "abandoning handoff still cleaning up after %.0f s; outstanding: %s",
             self.settings.cleanup_timeout_s,
             ", ".join(left) or "none",
-            extra={"handoff_id": entry.handoff_id},
+            handoff_id=entry.handoff_id,
         )
         self.metrics.abandoned.inc()
         self._remove(entry)
