@@ -49,12 +49,17 @@ RESERVED = pb.Fact(destination_reserved=pb.DestinationReserved(transferable_prom
 TRANSFERRED = pb.Fact(transfer_completed=pb.TransferCompleted())
 
 
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/<pid>/status (VmRSS in KiB, Threads, ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for process {pid}")
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of process ``pid``, in MiB, from /proc."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for process {pid}")
+    return proc_status(pid, "VmRSS") / 1024
 
 
 @dataclass
@@ -73,6 +78,9 @@ class Served:
 
     def rss_mib(self) -> float:
         return rss_mib(self.process.pid)
+
+    def threads(self) -> int:
+        return proc_status(self.process.pid, "Threads")
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -52,6 +52,9 @@ def assert_unharmed(client: WellBehaved, served: Served) -> None:
     assert not client.errors, f"the well-behaved client failed: {dict(client.errors)}"
     assert client.completed >= MIN_COMPLETED, f"only {client.completed} handoffs completed"
     assert served.rss_mib() < RSS_CEILING_MIB
+    log = served.log_text()
+    assert "Traceback" not in log, log[-4000:]
+    assert " ERROR " not in log, log[-4000:]
 
 
 def bomb(reports: int) -> pb.ConnectRequest:
@@ -318,3 +321,31 @@ async def test_a_start_handoff_flood_hits_its_own_limits_and_nobody_else_s(
         "(max_active_handoffs_per_identity)",
     }
     assert_unharmed(client, strict)
+
+
+async def test_idle_connections_to_metrics_start_no_threads_and_never_lock_out_a_scrape(
+    served: Served,
+) -> None:
+    """The issue's 600 idle connections to /metrics, then a scrape."""
+    threads_before = served.threads()
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        idle = [await asyncio.open_connection("127.0.0.1", served.metrics_port) for _ in range(600)]
+        # Half a request each, never finished.
+        for _, writer in idle:
+            writer.write(b"GET /metrics HTTP/1.1\r\n")
+        await asyncio.gather(*(writer.drain() for _, writer in idle), return_exceptions=True)
+        assert served.threads() <= threads_before + 2  # the rendering pool, at most
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.metrics_port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await reader.read()
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"handoff_started_total" in answer
+        writer.close()
+        await client.completed_at_least(MIN_COMPLETED)
+        for _, held in idle:
+            held.close()
+    assert_unharmed(client, served)

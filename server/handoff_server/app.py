@@ -6,18 +6,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import security
 from handoff_server.config import Settings
+from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EngineStreams, Guard, grpc_options
 from handoff_server.metrics import Metrics
 from handoff_server.probes import HealthGate
@@ -62,7 +61,7 @@ class Server:
         self.registry.on_finished(self.quotas.finished)
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
-        self._metrics_server: Callable[[], None] | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
         self._timers: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self.registry.on_idle(self._idle.set)
@@ -116,16 +115,9 @@ class Server:
             await health_server.start()
             self._health_grpc = health_server
         if settings.metrics_port >= 0:
-            http, thread = start_http_server(
-                settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
-            )
-            self.metrics_port = http.server_port
-
-            def stop_metrics() -> None:
-                http.shutdown()
-                thread.join()
-
-            self._metrics_server = stop_metrics
+            endpoint = MetricsEndpoint(self.metrics.registry)
+            self.metrics_port = await endpoint.start(settings.metrics_host, settings.metrics_port)
+            self._metrics_endpoint = endpoint
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._timers = asyncio.create_task(self._run_timers(), name="handoff-timers")
@@ -232,6 +224,6 @@ class Server:
             await self._grpc.stop(grace=1.0)
         if self._health_grpc is not None:
             await self._health_grpc.stop(grace=None)
-        if self._metrics_server is not None:
-            self._metrics_server()
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.stop()
         log.info("stopped")
