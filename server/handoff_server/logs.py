@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
-from typing import Any
+import threading
+from typing import Any, TextIO
 
 # Context fields handlers attach with `extra=`; rendered when present.
 CONTEXT_FIELDS = ("handoff_id", "engine_id", "subject")
@@ -39,12 +42,47 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document)
 
 
-def configure(log_format: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+# What gRPC's C core writes to fd 2: "I1201 00:47:42.556517    2162 file.cc:2563] text".
+NATIVE_LINE = re.compile(r"([IWEF])\d{4} [\d:.]+ +\d+ ([^\]]+)\] ?(.*)")
+NATIVE_LEVELS = {"I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+def configure(log_format: str, level: str, *, capture_native: bool = False) -> None:
+    """Every record to stderr in one format. With ``capture_native``, what
+    native code (gRPC's C core) writes to stderr becomes records too, so that
+    a JSON log stays all JSON."""
+    stream = _capture_native_stderr() if capture_native else sys.stderr
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def _capture_native_stderr() -> TextIO:
+    """Point fd 2 at a pipe whose lines a thread logs as ``grpc.core`` records;
+    the process's own writes (records, Python's warnings) go to the real stderr."""
+    real = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="replace")
+    read_fd, write_fd = os.pipe()
+    os.dup2(write_fd, 2)
+    os.close(write_fd)
+    sys.stderr = real
+    threading.Thread(target=_relay, args=(read_fd,), name="native-stderr", daemon=True).start()
+    return real
+
+
+def _relay(read_fd: int) -> None:
+    logger = logging.getLogger("grpc.core")
+    with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            text = line.rstrip()
+            if not text:
+                continue
+            match = NATIVE_LINE.fullmatch(text)
+            if match is None:
+                logger.warning("%s", text)
+            else:
+                logger.log(NATIVE_LEVELS[match[1]], "%s (%s)", match[3], match[2])
 
 
 class BurstLog:

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"handoff serve: {error}", file=sys.stderr)
         return 2
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.log_format, settings.log_level, capture_native=True)
     try:
         with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
             runner.run(_serve(settings))
