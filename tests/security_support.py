@@ -183,3 +183,10 @@ def secure_channel(
             credentials, grpc.access_token_call_credentials(token)
         )
     return grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
+
+
+def docs_block(language: str) -> str:
+    """The one ```language code block of docs/limits.md, which tests load as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "limits.md").read_text()
+    (block,) = [part.split("```", 1)[0] for part in text.split(f"```{language}\n")[1:]]
+    return block

@@ -23,10 +23,18 @@ from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.config import Settings
-from handoff_server.security import SecurityConfigError
+from handoff_server.security import EngineIdentities, SecurityConfigError
 from tests.conftest import StartServer
 from tests.grpc_support import ConnectEngine, StreamRecorder
-from tests.security_support import DECODE_SAN, PREFILL_SAN, Pki, Stub, make_pki, secure_channel
+from tests.security_support import (
+    DECODE_SAN,
+    PREFILL_SAN,
+    Pki,
+    Stub,
+    docs_block,
+    make_pki,
+    secure_channel,
+)
 from tests.test_service import (
     ACCEPTED,
     APPLIED,
@@ -326,3 +334,11 @@ async def test_sans_are_matched_by_type(
             engine = StreamRecorder(stub, PREFILL)
             await engine.subscribed()
             await engine.close()
+
+
+def test_the_identity_file_in_the_docs_binds_typed_sans() -> None:
+    identities = EngineIdentities.parse(docs_block("json"), "docs/limits.md")
+    assert identities.engines_for([("DNS", "prefill-0.engines.svc")]) == {"prefill-0"}
+    assert identities.engines_for([("URI", "prefill-0.engines.svc")]) == frozenset()
+    decode = ("URI", "spiffe://cluster.local/ns/serving/sa/decode-0")
+    assert identities.engines_for([decode]) == {"decode-0"}

@@ -24,7 +24,7 @@ from handoff_server.config import Settings
 from handoff_server.security import SecurityConfigError, TokenSet
 from tests.conftest import StartServer
 from tests.grpc_support import DESTINATION, SOURCE
-from tests.security_support import Stub
+from tests.security_support import Stub, docs_block
 
 TIMEOUT_S = 10.0
 OLD = "old-token-0123456789abcdef"
@@ -330,3 +330,16 @@ async def test_a_named_token_may_call_only_what_its_scopes_allow(
         engine = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE), metadata=bearer(NEW))
         assert await engine.code() is grpc.StatusCode.PERMISSION_DENIED
     assert len(server.registry.handoffs) == 1
+
+
+def test_the_token_file_in_the_docs_loads_with_its_names_and_scopes(tmp_path: Path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text(docs_block("text"))
+    loaded = security.load_tokens(Settings(token_file=str(token_file)))
+    assert loaded is not None
+    router = loaded.identify("rtr-7f3c9a1e5b2d4c6a8e0f")
+    assert router == security.Token("router", frozenset({"start", "report", "read"}))
+    ops = loaded.identify("ops-00112233445566778899")
+    assert ops is not None
+    assert not ops.may_call("StartHandoff")
+    assert ops.may_call("GetHandoff")
