@@ -342,3 +342,26 @@ def test_the_identity_file_in_the_docs_binds_typed_sans() -> None:
     assert identities.engines_for([("URI", "prefill-0.engines.svc")]) == frozenset()
     decode = ("URI", "spiffe://cluster.local/ns/serving/sa/decode-0")
     assert identities.engines_for([decode]) == {"decode-0"}
+
+
+async def test_a_client_certificate_s_san_is_its_identity_for_the_limits(
+    start_server: StartServer, pki: Pki
+) -> None:
+    server = await start_server(**pki.tls_settings(mutual=True), max_starts_per_s_per_identity=2.0)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        secure_channel(server.port, pki.ca.cert, pki.client) as frontend_channel,
+        secure_channel(server.port, pki.ca.cert, pki.prefill) as other_channel,
+    ):
+        frontend: Stub = pb_grpc.HandoffCoordinatorStub(frontend_channel)
+        other: Stub = pb_grpc.HandoffCoordinatorStub(other_channel)
+        await frontend.StartHandoff(start_request())  # a burst of one; the next in 5 s
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await frontend.StartHandoff(start_request())
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == (
+            "certificate DNS:router.frontend starts more than 0.2 handoffs per second, "
+            "the limit per identity (max_starts_per_s_per_identity)"
+        )
+        await other.StartHandoff(start_request())  # another certificate has its own
+    assert len(server.registry.handoffs) == 2

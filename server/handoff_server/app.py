@@ -80,6 +80,7 @@ class Server:
             tokens=tokens,
             exempt=tuple(p.strip() for p in settings.auth_exempt_methods.split(",") if p.strip()),
             identities=identities,
+            client_certificates=bool(settings.tls_client_ca),
         )
         server = grpc.aio.server(
             interceptors=(guard,),

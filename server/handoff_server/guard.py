@@ -140,6 +140,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         tokens: TokenSet | None = None,
         exempt: tuple[str, ...] = (),
         identities: EngineIdentities | None = None,
+        client_certificates: bool = False,
     ) -> None:
         self.metrics = metrics
         self.streams = streams
@@ -148,6 +149,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.tokens = tokens
         self.exempt = exempt
         self.identities = identities
+        self.client_certificates = client_certificates
         # Method -> (handler found, its wrapper): gRPC looks handlers up on
         # every call and finds the same object each time; wrap it once.
         self._wrapped: dict[str, tuple[Handler, Handler]] = {}
@@ -200,6 +202,15 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.metrics.rejected(rpc, code.name)
         await context.abort(code, message)
 
+    def _identity(self, context: Context) -> str | None:
+        """The caller: its token's name, else its client certificate's first DNS or URI SAN."""
+        holder = HOLDER.get()
+        if holder is not None:
+            return str(holder)
+        if not self.client_certificates:
+            return None  # no certificate to read (and reading costs on every call)
+        return security.certificate_identity(context.auth_context())
+
     async def _enter(
         self, rpc: str, context: Context, engine_id: str | None = None, per_identity: bool = True
     ) -> Held:
@@ -213,7 +224,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             await self._refuse(
                 rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
             )
-        held = Held(_identity(context))
+        held = Held(self._identity(context))
         if self.identities is not None:
             security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
         if held.identity is not None and per_identity:
@@ -450,14 +461,6 @@ class Held:
     identity: str | None  # None: an anonymous caller, counted server-wide only
     call: bool = False  # counted as a call of its identity
     engine_id: str | None = None  # counted as that engine's stream instead
-
-
-def _identity(context: Context) -> str | None:
-    """The caller: its token's name, else its client certificate's first DNS or URI SAN."""
-    holder = HOLDER.get()
-    if holder is not None:
-        return str(holder)
-    return security.certificate_identity(context.auth_context())
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> Handler:
