@@ -347,7 +347,7 @@ def test_the_identity_file_in_the_docs_binds_typed_sans() -> None:
 async def test_a_client_certificate_s_san_is_its_identity_for_the_limits(
     start_server: StartServer, pki: Pki
 ) -> None:
-    server = await start_server(**pki.tls_settings(mutual=True), max_starts_per_s_per_identity=2.0)
+    server = await start_server(**pki.tls_settings(mutual=True), max_starts_per_s_per_identity=0.2)
     async with (
         asyncio.timeout(TIMEOUT_S),
         secure_channel(server.port, pki.ca.cert, pki.client) as frontend_channel,
