@@ -67,7 +67,9 @@ class Settings:
         "", "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"
     )
     token_file: str = _setting(
-        "", "file of accepted bearer tokens, one per line ('#' starts a comment)"
+        "",
+        "file of accepted bearer tokens, one per line: NAME TOKEN [SCOPE,...] "
+        "(docs/limits.md; a bare TOKEN still works; '#' starts a comment)",
     )
     # Not in repr: Settings may be logged, and this holds secrets.
     tokens: str = field(
@@ -84,8 +86,8 @@ class Settings:
     )
     engine_identity_file: str = _setting(
         "",
-        "JSON object: engine id -> list of client-certificate SANs that may act for it "
-        "(needs --tls-client-ca)",
+        "JSON object: engine id -> list of client-certificate SANs (DNS:name or URI:uri) "
+        "that may act for it (needs --tls-client-ca)",
     )
     max_message_bytes: int = _setting(
         65536, "largest request message accepted, in bytes; larger ones get RESOURCE_EXHAUSTED"
