@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,10 +19,12 @@ from hypothesis import strategies as st
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import guard
+from handoff_server import guard, servicer
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.guard import MAX_UNACKED_REPORTS
+from handoff_server.metrics import Metrics
+from handoff_server.registry import Registry
 from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.conftest import StartServer
 from tests.fuzz_support import REFUSAL_NUMBERS
@@ -555,3 +558,38 @@ async def _until_end(
         if not isinstance(response, pb.ConnectResponse):
             return  # grpc.aio.EOF: the call ended well
         yield response
+
+
+async def test_acks_queued_for_a_connect_stream_are_bounded_in_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader stops handling a stream's reports once the acks waiting to
+    be written weigh more than the bound, and goes on once they are taken."""
+    monkeypatch.setattr(servicer, "MAX_OWED_BYTES", 1000)
+    registry = Registry(Settings(), Metrics(), time.monotonic)
+    service = servicer.Servicer(registry, Metrics())
+    message = pb.ConnectRequest()
+    for number in range(MAX_REPORTS_PER_MESSAGE):
+        report = message.reports.add(request_id=number)
+        report.fact.handoff_id = str(uuid.uuid4())  # unknown: each ack carries an error
+        report.fact.fact.timed_out.SetInParent()
+
+    async def requests() -> AsyncIterator[pb.ConnectRequest]:
+        yield message
+
+    owed = servicer.Owed(batch=True, lean_acks=False)
+    ready = asyncio.Event()
+    async with asyncio.timeout(TIMEOUT_S):
+        reader = asyncio.create_task(service._read_reports("e", requests(), owed, ready))
+        await ready.wait()  # set when the bound is reached, the writer being wanted
+        assert not reader.done()
+        (queued,) = owed.responses([])
+        one_ack = len(queued.acks[0].message)
+        assert 1000 < sum(len(ack.message) for ack in queued.acks) <= 1000 + one_ack
+        written = len(queued.acks)
+        while not reader.done():
+            ready.clear()
+            await ready.wait()
+            written += sum(len(m.acks) for m in owed.responses([]))
+        await reader
+    assert written == MAX_REPORTS_PER_MESSAGE
