@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 
 STARTUP_S = 30.0
-SERVING = re.compile(r"serving gRPC .* on 127\.0\.0\.1:(\d+)")
+SERVING = re.compile(r"serving gRPC .*? on 127\.0\.0\.1:(\d+)")
 
 
 def coordinator_command() -> list[str]:
