@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.config import Settings
+from tests.deploy_support import DOCKERFILE, ROOT, tool
 from tests.security_support import make_pki
-from tests.test_deploy_support import DOCKERFILE, ROOT, tool
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name
 
