@@ -191,6 +191,15 @@ def test_source_lost_after_success_or_anything_after_canceled_changes_nothing(
     assert handoff.snapshot() == before
 
 
+def test_a_side_that_freed_what_it_held_is_not_lost_afterwards() -> None:
+    handoff = held_and_reserved(Order.SOURCE_FIRST)
+    cancel_source, _ = handoff.apply_fact(Failed())
+    handoff.apply_outcome(cancel_source.id, APPLIED)
+    before = handoff.snapshot()
+    assert handoff.apply_fact(SOURCE_LOST) == ()
+    assert handoff.snapshot() == before  # no SourceLost: it had nothing left to lose
+
+
 # --- never rejected, recorded once, outcomes still validated -------------------------
 
 

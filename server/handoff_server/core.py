@@ -327,10 +327,13 @@ class Handoff:
     def _on_engine_lost(self, side: Side) -> tuple[Action, ...]:
         # Never rejected (DESIGN.md, correction 7): the lost side is settled,
         # and nothing is owed to it from now on.
+        # A side that freed what it held, or was lost already, owes nothing
+        # either way; after CANCELED nothing is owed to anyone. (So a source
+        # lost after SUCCESS changes nothing: it released or was lost.)
+        if self._completion is CANCELED:
+            return NO_ACTIONS
         if side is Side.SOURCE:
-            # After SUCCESS the source was already settled; after CANCELED
-            # nothing is owed to either side.
-            if self._source_lost or self._phase is COMPLETE:
+            if self._source_lost or self._source_done:
                 return NO_ACTIONS
             self._source_lost = True
             self._lifecycle.append(EV_SOURCE_LOST)
@@ -338,7 +341,7 @@ class Handoff:
                 # The destination has the KV: it no longer needs the source.
                 return self._advance_active()
         else:
-            if self._destination_lost or self._completion is CANCELED:
+            if self._destination_lost or self._destination_done:
                 return NO_ACTIONS
             # After SUCCESS this reopens the handoff: the decode that owned the
             # request died, and nothing is owed to it, so it completes CANCELED.
