@@ -1,9 +1,9 @@
 """Engine identity over mutual TLS: certificate SANs bound to engine ids.
 
-An engine may subscribe, report facts and report outcomes only as itself and
-only for its own handoffs; a certificate bound to no engine (a frontend) may
-start, read and cancel. Everything else is PERMISSION_DENIED and changes
-nothing.
+An engine may subscribe, report facts and report outcomes only as itself,
+only for its own handoffs, and only the facts its role proves; a certificate
+bound to no engine (a frontend) may start, read, cancel, fail, time out and
+report a lost engine. Everything else is PERMISSION_DENIED and changes nothing.
 """
 
 from __future__ import annotations
@@ -25,17 +25,7 @@ from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.security import EngineIdentities, SecurityConfigError
 from tests.conftest import StartServer
-from tests.grpc_support import ConnectEngine, StreamRecorder
-from tests.security_support import (
-    DECODE_SAN,
-    PREFILL_SAN,
-    Pki,
-    Stub,
-    docs_block,
-    make_pki,
-    secure_channel,
-)
-from tests.test_service import (
+from tests.grpc_support import (
     ACCEPTED,
     APPLIED,
     CANCELED,
@@ -44,6 +34,17 @@ from tests.test_service import (
     SCHEDULED,
     SUBMITTED,
     TRANSFERRED,
+    ConnectEngine,
+    StreamRecorder,
+)
+from tests.security_support import (
+    DECODE_SAN,
+    PREFILL_SAN,
+    Pki,
+    Stub,
+    docs_block,
+    make_pki,
+    secure_channel,
 )
 
 TIMEOUT_S = 10.0
@@ -182,6 +183,20 @@ async def test_a_frontend_starts_reads_and_cancels_but_acts_for_no_engine(
     assert callers.server.engine_streams.live == {}
 
 
+async def test_a_frontend_reports_a_lost_engine(callers: Callers) -> None:
+    """A router that learns a pod died says so (DESIGN.md, correction 7)."""
+    frontend = callers.frontend
+    async with asyncio.timeout(TIMEOUT_S):
+        handoff_id = (await frontend.StartHandoff(start_request())).handoff.handoff_id
+        lost = pb.Fact(engine_lost=pb.EngineLost(role=pb.ROLE_SOURCE))
+        answer = await fact(frontend, handoff_id, lost)
+        assert answer.handoff.completion == pb.COMPLETION_CANCELED
+        kinds = [e.kind for e in answer.handoff.lifecycle]
+        assert kinds == [pb.LIFECYCLE_EVENT_KIND_SOURCE_LOST, pb.LIFECYCLE_EVENT_KIND_COMPLETED]
+        [complete] = answer.actions
+        assert complete.completion == pb.COMPLETION_CANCELED
+
+
 async def test_an_engine_acts_only_for_itself_and_its_own_handoffs(callers: Callers) -> None:
     prefill = callers.prefill
     async with asyncio.timeout(TIMEOUT_S):
@@ -294,10 +309,12 @@ async def test_each_fact_only_from_the_role_that_proves_it(callers: Callers) -> 
         # TransferCompleted: only the transfer's executor (here the source).
         for stub in (decode, frontend):
             await denied(fact(stub, handoff_id, TRANSFERRED))
-        # TimedOut: only the frontend (the server reports its own).
+        # TimedOut and EngineLost: only the frontend (the server reports its own).
+        lost = pb.Fact(engine_lost=pb.EngineLost(role=pb.ROLE_DESTINATION))
         for stub in (prefill, decode):
-            details = await denied(fact(stub, handoff_id, TIMED_OUT))
-            assert "only no engine (the frontend's or the server's to report) may" in details
+            for message in (TIMED_OUT, lost):
+                details = await denied(fact(stub, handoff_id, message))
+                assert "only no engine (the frontend's or the server's to report) may" in details
         await fact(prefill, handoff_id, TRANSFERRED)
         timed_out = await fact(frontend, handoff_id, TIMED_OUT)
         assert timed_out.handoff.phase in (pb.PHASE_CLEANING_UP, pb.PHASE_COMPLETE)
