@@ -20,9 +20,8 @@ from handoff_server.model import (
     OutcomeKind,
     Phase,
     Side,
-    TransferCompleted,
 )
-from tests.test_core import (
+from tests.core_support import (
     APPLIED,
     HANDOFF_ID,
     NOOP,
@@ -32,21 +31,12 @@ from tests.test_core import (
     kinds,
     only,
     schedule_transfer,
+    transferred,
 )
 
 SOURCE_LOST = EngineLost(Side.SOURCE)
 DESTINATION_LOST = EngineLost(Side.DESTINATION)
 ORDERS = pytest.mark.parametrize("order", list(Order))
-
-
-def transferred(order: Order) -> tuple[Handoff, Action]:
-    """A handoff whose KV reached the destination; returns ActivateDestination."""
-    handoff = held_and_reserved(order)
-    transfer = schedule_transfer(handoff)
-    handoff.apply_outcome(transfer.id, SCHEDULED)
-    activate = only(handoff.apply_fact(TransferCompleted()))
-    assert activate.kind is ActionKind.ACTIVATE_DESTINATION
-    return handoff, activate
 
 
 def assert_complete(action: Action, handoff: Handoff, completion: Completion) -> None:

@@ -35,10 +35,15 @@ from handoff_server.model import (
     TransferTiming,
 )
 from handoff_server.packing import Ending, pack
+from tests.core_support import (
+    APPLIED,
+    HandoffMachine,
+    completed,
+    held_and_reserved,
+    only,
+    transferred,
+)
 from tests.support import LOST_VECTORS, VECTORS, all_vectors
-from tests.test_core import APPLIED, completed, held_and_reserved, only
-from tests.test_core_lost import transferred
-from tests.test_core_properties import HandoffMachine
 
 Observed = tuple[Action, ...] | tuple[str, str]
 
