@@ -16,7 +16,7 @@ from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.config import Settings
-from handoff_server.guard import MAX_UNACKED_REPORTS
+from handoff_server.delivery import MAX_UNACKED_REPORTS
 from tests.conftest import StartServer
 from tests.grpc_support import StreamRecorder
 from tests.security_support import Stub

@@ -69,6 +69,9 @@ def replay(h: Harness, vector: Vector) -> str | None:
             result = call(h, handoff_id, step)
         except HandoffError as rejected:
             error = rejected
+        # The engines' streams write what the vector's engines then act on.
+        h.drain(SOURCE)
+        h.drain(DESTINATION)
         if isinstance(step, StartStep) and error is not None:
             refused = Answer(False, error.code, (), None, None, error.message)
             return None if mismatch(step.expect, refused) is None else vector.name

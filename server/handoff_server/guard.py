@@ -9,10 +9,9 @@ health). For the coordinator's own RPCs it also wraps the handler:
   servicer's engine checks;
 - at most ``max_engines`` engines hold a live stream (StreamActions or
   Connect); a new subscription for an engine that already has one replaces
-  it in the registry and is always admitted;
-- a Connect peer that sends reports without reading the acknowledgements is
-  slowed down (its reports are not read) instead of the server queueing
-  acknowledgements for it without bound.
+  it in the registry and is always admitted.
+
+Connect's window of unacknowledged reports is delivery's (delivery.AckWindow).
 """
 
 from __future__ import annotations
@@ -32,13 +31,10 @@ from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
 from handoff_server.metrics import RPCS, Metrics
 from handoff_server.security import EngineIdentities, TokenSet
-from handoff_server.servicer import reports_of
 
 log = logging.getLogger("handoff.guard")
 
 SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name + "/"
-# Connect reports read but not yet acknowledged to the peer, per stream.
-MAX_UNACKED_REPORTS = 128
 
 # grpc's handler objects are untyped at this level: behaviours take and
 # return messages of whichever type the method has.
@@ -258,7 +254,6 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             engine_id = None
             if first is not None and first.WhichOneof("kind") == "hello":
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
-            window = AckWindow(MAX_UNACKED_REPORTS)
             garbled: list[int] = []
 
             async def reports() -> AsyncIterator[Any]:
@@ -272,13 +267,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                         # so what came before is still acknowledged; then refuse.
                         garbled.append(count)
                         return
-                    await window.admit(len(reports_of(request)))
                     yield request
 
             try:
                 async with contextlib.aclosing(inner(reports(), context)) as responses:
                     async for response in responses:
-                        window.acknowledged(len(response.acks) + response.HasField("ack"))
                         yield response
             finally:
                 if engine_id is not None:
@@ -292,27 +285,6 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 )
 
         return stream
-
-
-class AckWindow:
-    """Reports read from one Connect stream whose acknowledgements are not written yet."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.owed = 0
-        self._room = asyncio.Event()
-
-    async def admit(self, reports: int) -> None:
-        """Wait until ``reports`` more fit; a message larger than the window goes alone."""
-        while self.owed and self.owed + reports > self.limit:
-            self._room.clear()
-            await self._room.wait()
-        self.owed += reports
-
-    def acknowledged(self, acks: int) -> None:
-        if acks:
-            self.owed -= acks
-            self._room.set()
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> Handler:
