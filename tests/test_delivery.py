@@ -24,7 +24,7 @@ from handoff_server.model import (
 )
 from handoff_server.registry import Entry, StartRequest
 from handoff_server.timers import TimerKind
-from tests.test_registry import APPLIED, DESTINATION, SOURCE, SUBMITTED, TIMING, Harness, kinds
+from tests.registry_support import APPLIED, DESTINATION, SOURCE, SUBMITTED, TIMING, Harness, kinds
 
 ACCEPTED = Outcome(OutcomeKind.ACCEPTED)
 SCHEDULED = Outcome(OutcomeKind.SCHEDULED)

@@ -31,7 +31,7 @@ from handoff_server.model import (
     TransferCompleted,
 )
 from handoff_server.registry import Entry, Registry, StartRequest
-from tests.test_registry import TIMING, FakeClock
+from tests.registry_support import TIMING, FakeClock
 
 ENGINES = ("prefill-a", "decode-b")
 ANSWER: dict[ActionKind, tuple[OutcomeKind, Fact | None]] = {
