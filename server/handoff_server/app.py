@@ -175,8 +175,12 @@ class Server:
         else:
             delay = wakeup - self.clock()
             if delay > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a
+                # cancellation that lands as the wake-up fires, and stop() then
+                # waited for this task forever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._timer_wakeup.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._timer_wakeup.wait()
         self.registry.fire_due()
 
     async def wait_idle(self, within_s: float) -> bool:
