@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -37,11 +37,14 @@ def start(source: str = SOURCE) -> pb.StartHandoffRequest:
 
 
 async def refusal(engine: StreamRecorder | ConnectEngine) -> tuple[str, str]:
-    """How a refused subscription ended: its fence and its message."""
-    assert await engine.stream_ended() is grpc.StatusCode.FAILED_PRECONDITION
-    call = engine._call
-    trailers = dict(await call.trailing_metadata() or ())
-    return str(trailers.get("handoff-fence")), await call.details() or ""
+    """How a refused subscription ended: its handoff-fence values and its message."""
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await engine.stream_ended()
+    error = refused.value
+    assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    metadata: Any = error.trailing_metadata() or ()  # grpc's stubs type it loosely
+    fences = [value for key, value in metadata if key == "handoff-fence"]
+    return str(fences), error.details() or ""
 
 
 async def test_a_twin_sidecar_is_refused_while_the_first_is_live(stub: Stub) -> None:
@@ -50,7 +53,7 @@ async def test_a_twin_sidecar_is_refused_while_the_first_is_live(stub: Stub) -> 
         await first.subscribed()
         twin = StreamRecorder(stub, SOURCE, OLD, "bbbbbbbb-second-session")
         fence, message = await refusal(twin)
-        assert fence == "session-conflict"
+        assert fence == "['session-conflict']"
         assert SOURCE in message
         assert "aaaaaaaa" in message
         assert "bbbbbbbb" in message
@@ -66,7 +69,7 @@ async def test_an_older_incarnation_is_refused_on_connect(stub: Stub) -> None:
         await newer.subscribed()
         older = ConnectEngine(stub, SOURCE, incarnation=OLD, session_id="s-old")
         fence, message = await refusal(older)
-        assert fence == "older-incarnation"
+        assert fence == "['older-incarnation']"
         assert OLD in message
         assert NEW in message
         assert SOURCE in message

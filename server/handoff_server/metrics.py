@@ -36,7 +36,9 @@ class Metrics:
             "handoff_completed", "Handoff completions by result.", ["result"], registry=r
         )
         self.reopened = Counter(
-            "handoff_reopened", "Successful handoffs reopened by a terminal fact.", registry=r
+            "handoff_reopened",
+            "Successful handoffs reopened by a terminal fact or a lost decode.",
+            registry=r,
         )
         self.timed_out = Counter(
             "handoff_timed_out", "Handoffs whose deadline passed while active.", registry=r
