@@ -7,6 +7,7 @@ from typing import Any
 
 from handoff_server.config import Settings
 from handoff_server.delivery import Dispatch, Subscription
+from handoff_server.entries import StartRequest
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     ActionKind,
@@ -21,7 +22,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Registry, StartRequest
+from handoff_server.registry import Registry
 
 SOURCE, DESTINATION = "prefill-a", "decode-b"
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1000, 1_000_000, 1.0)  # 1000 ms transfer

@@ -9,6 +9,7 @@ import uuid
 import pytest
 
 from handoff_server.delivery import Fence, Fenced, Subscription
+from handoff_server.entries import Entry, StartRequest
 from handoff_server.model import (
     ActionKind,
     AlreadyExists,
@@ -22,7 +23,6 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.registry import Entry, StartRequest
 from handoff_server.timers import TimerKind
 from tests.registry_support import APPLIED, DESTINATION, SOURCE, SUBMITTED, TIMING, Harness, kinds
 

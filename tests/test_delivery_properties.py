@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from handoff_server.config import Settings
 from handoff_server.delivery import Dispatch, Fenced, Subscription
+from handoff_server.entries import Entry, StartRequest
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     ActionKind,
@@ -30,7 +31,7 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.registry import Entry, Registry, StartRequest
+from handoff_server.registry import Registry
 from tests.registry_support import TIMING, FakeClock
 
 ENGINES = ("prefill-a", "decode-b")

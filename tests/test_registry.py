@@ -10,6 +10,7 @@ import pytest
 
 from handoff_server.core import Handoff
 from handoff_server.delivery import Role
+from handoff_server.entries import StartRequest
 from handoff_server.model import (
     ActionKind,
     AlreadyExists,
@@ -26,7 +27,6 @@ from handoff_server.model import (
     SourceHeld,
     Unavailable,
 )
-from handoff_server.registry import StartRequest
 from tests.registry_support import APPLIED, DESTINATION, SOURCE, TIMING, Harness, kinds
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from handoff_server import convert
+from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.model import (
     Canceled,
     Completion,
@@ -19,7 +20,6 @@ from handoff_server.model import (
     Phase,
     Side,
 )
-from handoff_server.registry import Entry, Retained, StartRequest
 from tests.registry_support import APPLIED, DESTINATION, SOURCE, SUBMITTED, Harness
 
 

@@ -13,6 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.delivery import Dispatch, Role
+from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.model import (
     MAX_HANDOFF_TIMEOUT_S,
     Action,
@@ -36,7 +37,6 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Entry, Retained, StartRequest
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Already canonical: uuid.UUID would parse it only to print it back unchanged.

@@ -15,7 +15,8 @@ Synchronous and clock-injected like the registry, which owns the handoff
 table and calls in here; timers are the registry's (it dispatches every
 kind in one place) and it asks this module whether an engine's timer still
 matters. The one asynchronous piece is :class:`AckWindow`, the Connect
-stream's bound on reports read but not yet acknowledged.
+stream's bound on reports read but not yet acknowledged. (About 450 lines:
+one engine channel's rules, fencing included, read best in one place.)
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""The registry: the handoff table, the one path every call takes, timers and retention.
+"""The registry: the handoff table, the one path every call takes, and what timers do.
 
 Synchronous and clock-injected: it never sleeps and never awaits. The gRPC
 layer calls it, and calls :meth:`Registry.fire_due` when
 :meth:`Registry.next_wakeup` says so; tests do the same with a fake clock and
 no waiting at all. What happens to an action between its issue and its
-acknowledgement (queues, streams, incarnations) is :mod:`handoff_server.delivery`'s.
+acknowledgement (queues, streams, incarnations) is :mod:`handoff_server.delivery`'s;
+keeping finished handoffs is :mod:`handoff_server.retention`'s.
 
 Every call is atomic where the core is concerned: a call the core rejects,
 or one that crashes inside the core, leaves the handoff exactly as it was.
@@ -13,6 +14,11 @@ timers, metrics) does not fail on valid state; a bug there is logged and
 answered INTERNAL, and is not undone. What the server does on its own after a
 call (an engine lost, a cleanup action settled for an engine that never
 received anything) runs as calls of its own once the first is done.
+
+Longer than most modules (about 600 lines) because the call path, the
+server's own follow-up calls and the timer kinds all change the one handoff
+table and must stay in one synchronous object; what is separable lives in
+delivery, retention, entries and timers.
 """
 
 from __future__ import annotations
@@ -21,16 +27,14 @@ import functools
 import itertools
 import logging
 import sys
-from array import array
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import ClassVar
 
 from handoff_server.config import Settings
-from handoff_server.core import Completed, Handoff
-from handoff_server.delivery import ROLE_OF, Delivery, Dispatch, Role, Subscription
+from handoff_server.core import Handoff
+from handoff_server.delivery import Delivery, Dispatch, Role, Subscription
+from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     CLEANUP_KINDS,
@@ -45,7 +49,6 @@ from handoff_server.model import (
     Internal,
     LifecycleEvent,
     NotFound,
-    Order,
     Outcome,
     OutcomeKind,
     Phase,
@@ -54,6 +57,7 @@ from handoff_server.model import (
     TimedOut,
     Unavailable,
 )
+from handoff_server.retention import Retention
 from handoff_server.timers import Timer, TimerHeap, TimerKind
 
 log = logging.getLogger("handoff.registry")
@@ -77,181 +81,6 @@ NOOP = Outcome(OutcomeKind.NOOP)
 
 
 @dataclass(frozen=True, slots=True)
-class StartRequest:
-    handoff_id: str
-    order: Order
-    source_engine_id: str
-    destination_engine_id: str
-    fallback_transfer_delay_ms: float
-    transfer_executor: Role = Role.SOURCE
-    timeout_s: float | None = None
-
-
-Routed = tuple[float, ActionKind, tuple[str, ...]]  # issued at, kind, engines it went to
-
-
-class Entry:
-    """A handoff in full: its core and what the registry knows beyond it.
-
-    Unfinished handoffs are kept as these, and so are abandoned ones while
-    retained (rare, and shown with what was left outstanding); completed
-    ones are packed (Retained).
-    """
-
-    __slots__ = (
-        "core",
-        "source_engine_id",
-        "destination_engine_id",
-        "transfer_executor",
-        "timeout_s",
-        "started_at",
-        "deadline",
-        "completed_at",
-        "abandoned_at",
-        "lifecycle_at",
-        "routed",
-        "held_at",
-        "cleanup_epoch",
-        "redelivery_round",
-        "encoding",
-    )
-
-    def __init__(
-        self,
-        core: Handoff,
-        source_engine_id: str,
-        destination_engine_id: str,
-        transfer_executor: Role,
-        timeout_s: float,
-        started_at: float,
-        deadline: float,
-    ) -> None:
-        self.core = core
-        self.source_engine_id = source_engine_id
-        self.destination_engine_id = destination_engine_id
-        self.transfer_executor = transfer_executor
-        self.timeout_s = timeout_s
-        self.started_at = started_at
-        self.deadline = deadline
-        self.completed_at: float | None = None
-        self.abandoned_at: float | None = None
-        self.lifecycle_at: list[float] = []  # when each core.lifecycle event was proven
-        self.routed: dict[int, Routed] = {}  # outstanding actions by id
-        self.held_at: float | None = None
-        # Renewed each time cleanup (re)starts, from the registry-wide counter:
-        # it stales the timers of an earlier cleanup, even one of an earlier
-        # handoff under the same id (evicted or expired, then reused).
-        self.cleanup_epoch = 0
-        self.redelivery_round = 0
-        # Kept by convert.handoff, opaque here: the answer's encoding so far,
-        # so that answering a report encodes only what the report changed.
-        self.encoding: object = None
-
-    @property
-    def handoff_id(self) -> str:
-        return self.core.handoff_id
-
-    @property
-    def ended_at(self) -> float | None:
-        """When it was abandoned (the only Entry kept in retention)."""
-        return self.abandoned_at
-
-    @property
-    def engines(self) -> set[str]:
-        return {self.source_engine_id, self.destination_engine_id}
-
-    def engine_for(self, role: Role) -> tuple[str, ...]:
-        if role is Role.SOURCE:
-            return (self.source_engine_id,)
-        if role is Role.DESTINATION:
-            return (self.destination_engine_id,)
-        if self.source_engine_id == self.destination_engine_id:
-            return (self.source_engine_id,)
-        return (self.source_engine_id, self.destination_engine_id)
-
-    def roles_of(self, engine_id: str) -> list[Role]:
-        """The sides ``engine_id`` plays in this handoff (both if it is its own decode)."""
-        return [r for r in (Role.SOURCE, Role.DESTINATION) if self.engine_for(r)[0] == engine_id]
-
-    def role_of(self, kind: ActionKind) -> Role:
-        return self.transfer_executor if kind is ActionKind.START_TRANSFER else ROLE_OF[kind]
-
-
-class Retained:
-    """A completed handoff, kept for late reports, GetHandoff and id reuse checks.
-
-    Up to max_retained of these live for retention_s each, so a retained
-    handoff keeps a packed core, names shared with every other handoff of its
-    engines, and its times as one bytes object: about a fifth of an Entry. A
-    call that reaches it runs on an unpacked Entry (see unpack).
-    """
-
-    __slots__ = ("core", "source_engine_id", "destination_engine_id", "transfer_executor", "_times")
-
-    # Nothing is outstanding once complete; read by security.authorize_report.
-    routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
-    abandoned_at: ClassVar[None] = None
-
-    def __init__(self, entry: Entry) -> None:
-        assert entry.completed_at is not None
-        self.core: Completed = entry.core.pack()
-        self.source_engine_id = entry.source_engine_id
-        self.destination_engine_id = entry.destination_engine_id
-        self.transfer_executor = entry.transfer_executor
-        times = (
-            entry.started_at,
-            entry.deadline,
-            entry.completed_at,
-            entry.timeout_s,
-            *entry.lifecycle_at,
-        )
-        self._times = array("d", times).tobytes()
-
-    @property
-    def handoff_id(self) -> str:
-        return self.core.handoff_id
-
-    @property
-    def started_at(self) -> float:
-        return array("d", self._times)[0]
-
-    @property
-    def deadline(self) -> float:
-        return array("d", self._times)[1]
-
-    @property
-    def completed_at(self) -> float:
-        return array("d", self._times)[2]
-
-    @property
-    def timeout_s(self) -> float:
-        return array("d", self._times)[3]
-
-    @property
-    def ended_at(self) -> float:
-        return self.completed_at
-
-    @property
-    def lifecycle_at(self) -> list[float]:
-        return array("d", self._times)[4:].tolist()
-
-    def unpack(self) -> Entry:
-        """The full Entry again, for a call that may change the handoff."""
-        entry = Entry(
-            self.core.unpack(),
-            self.source_engine_id,
-            self.destination_engine_id,
-            self.transfer_executor,
-            self.timeout_s,
-            self.started_at,
-            self.deadline,
-        )
-        entry.completed_at = self.completed_at
-        entry.lifecycle_at = self.lifecycle_at
-        return entry
-
-
-@dataclass(frozen=True, slots=True)
 class CallResult:
     entry: Entry | Retained
     actions: tuple[Dispatch, ...]
@@ -272,11 +101,9 @@ class Registry:
         self._on_earlier_timer = on_earlier_timer
         self._on_idle: list[Callable[[], None]] = []
         self.handoffs: dict[str, Entry | Retained] = {}
-        # Oldest first: completed (Retained) and abandoned (Entry) handoffs. A
-        # record stays here when its handoff is reopened (it is skipped once
-        # it reaches the front), so leaving costs nothing.
-        self._retained: deque[Entry | Retained] = deque()
-        self._retained_count = 0
+        self.retention = Retention(
+            settings, metrics, self.handoffs, lambda: self._on_earlier_timer()
+        )
         self._timers = TimerHeap(self._timer_is_live)
         self.delivery = Delivery(settings, metrics, clock, self._schedule)
         # What the server does on its own after a call, each a call of its own.
@@ -290,7 +117,7 @@ class Registry:
     @property
     def active_count(self) -> int:
         """Handoffs not complete: active or cleaning up."""
-        return len(self.handoffs) - self._retained_count
+        return len(self.handoffs) - self.retention.count
 
     def get(self, handoff_id: str) -> Entry | Retained:
         entry = self.handoffs.get(handoff_id)
@@ -299,7 +126,9 @@ class Registry:
         return entry
 
     def next_wakeup(self) -> float | None:
-        candidates = [t for t in (self._timers.next_at(), self._next_expiry()) if t is not None]
+        candidates = [
+            t for t in (self._timers.next_at(), self.retention.next_expiry()) if t is not None
+        ]
         return min(candidates, default=None)
 
     def on_idle(self, callback: Callable[[], None]) -> None:
@@ -310,7 +139,7 @@ class Registry:
 
     def start(self, request: StartRequest) -> CallResult:
         now = self.clock()
-        self._expire_retained(now)
+        self.retention.expire(now)
         timeout = (
             self.settings.default_timeout_s if request.timeout_s is None else request.timeout_s
         )
@@ -411,7 +240,7 @@ class Registry:
                 self.metrics.timer_errors.inc()
                 whose = "engine_id" if timer.kind in ENGINE_TIMERS else "handoff_id"
                 log.exception("%s timer failed", timer.kind.value, extra={whose: timer.key})
-        self._expire_retained(now)
+        self.retention.expire(now)
         self._timers.compact(self._live_timers_bound())
 
     def _fire(self, timer: Timer, now: float) -> None:
@@ -590,8 +419,7 @@ class Registry:
             # The call ran on an Entry unpacked from the retained record;
             # it replaces the record, which the retention queue skips.
             self.metrics.reopened.inc()
-            self.handoffs[entry.handoff_id] = entry
-            self._retained_count -= 1
+            self.retention.release(entry)
             # A success was acknowledged by both sides: both were reached.
             self.delivery.engage(
                 entry.handoff_id, entry.engines, reached=(Role.SOURCE, Role.DESTINATION)
@@ -618,7 +446,7 @@ class Registry:
             self.metrics.duration_by[completion].observe(now - entry.started_at)
             # The core forgot its journal: nothing is outstanding any more.
             self._drop_routed(entry)
-            self._retain(Retained(entry))
+            self.retention.keep(Retained(entry))
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
@@ -725,7 +553,7 @@ class Registry:
             self.delivery.drop(entry.handoff_id, action_id, engines)
         self.delivery.disengage(entry.handoff_id, entry.engines)
         entry.abandoned_at = now
-        self._retain(entry)
+        self.retention.keep(entry)
         self._check_idle()
 
     def _drop_routed(self, entry: Entry) -> None:
@@ -753,48 +581,6 @@ class Registry:
                 "what was left outstanding"
             )
         return entry
-
-    def _retain(self, record: Entry | Retained) -> None:
-        self.handoffs[record.handoff_id] = record
-        self._retained.append(record)
-        self._retained_count += 1
-        if self._retained_count == 1:
-            # The first expiry may come before the timer loop's next wake-up
-            # (a deadline hours away): without this the loop slept through
-            # retention, and stale timers were never compacted meanwhile.
-            self._on_earlier_timer()
-        while self._retained_count > self.settings.max_retained:
-            self._forget_oldest()
-
-    def _oldest(self) -> Entry | Retained | None:
-        """The oldest retained handoff, dropping records of reopened ones on the way."""
-        retained = self._retained
-        while retained:
-            record = retained[0]
-            if self.handoffs.get(record.handoff_id) is record:
-                return record
-            retained.popleft()
-        return None
-
-    def _forget_oldest(self) -> None:
-        oldest = self._oldest()
-        assert oldest is not None
-        self._retained.popleft()
-        del self.handoffs[oldest.handoff_id]
-        self._retained_count -= 1
-        if isinstance(oldest, Retained):
-            self.metrics.handoffs_by[Phase.COMPLETE].dec()
-
-    def _next_expiry(self) -> float | None:
-        # Completion times never decrease, so neither do expiries: the
-        # oldest record expires first.
-        oldest = self._oldest()
-        ended = None if oldest is None else oldest.ended_at
-        return None if ended is None else ended + self.settings.retention_s
-
-    def _expire_retained(self, now: float) -> None:
-        while (expiry := self._next_expiry()) is not None and expiry <= now:
-            self._forget_oldest()
 
 
 ENGINE_TIMERS = frozenset({TimerKind.UNREACHABLE, TimerKind.FORGET})
