@@ -14,14 +14,12 @@ stream is live.
 Synchronous and clock-injected like the registry, which owns the handoff
 table and calls in here; timers are the registry's (it dispatches every
 kind in one place) and it asks this module whether an engine's timer still
-matters. The one asynchronous piece is :class:`AckWindow`, the Connect
-stream's bound on reports read but not yet acknowledged. (About 450 lines:
-one engine channel's rules, fencing included, read best in one place.)
+matters. (About 430 lines: one engine channel's rules, fencing included,
+read best in one place.)
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import itertools
 import logging
@@ -38,9 +36,6 @@ log = logging.getLogger("handoff.delivery")
 Clock = Callable[[], float]
 Schedule = Callable[[float, TimerKind, str, object], None]
 Key = tuple[str, int]  # (handoff id, action id)
-
-# Connect reports read but not yet acknowledged to the peer, per stream.
-MAX_UNACKED_REPORTS = 128
 
 
 class Role(enum.Enum):
@@ -429,29 +424,3 @@ class Delivery:
         self._schedule(
             now + self._remembered_s(), TimerKind.FORGET, channel.engine_id, channel.epoch
         )
-
-
-class AckWindow:
-    """Reports read from one Connect stream whose acknowledgements are not written yet.
-
-    A peer that sends reports without reading the acknowledgements is slowed
-    down (its reports are not read) instead of the server queueing
-    acknowledgements for it without bound.
-    """
-
-    def __init__(self, limit: int = MAX_UNACKED_REPORTS) -> None:
-        self.limit = limit
-        self.owed = 0
-        self._room = asyncio.Event()
-
-    async def admit(self, reports: int) -> None:
-        """Wait until ``reports`` more fit; a message larger than the window goes alone."""
-        while self.owed and self.owed + reports > self.limit:
-            self._room.clear()
-            await self._room.wait()
-        self.owed += reports
-
-    def acknowledged(self, acks: int) -> None:
-        if acks:
-            self.owed -= acks
-            self._room.set()

@@ -35,6 +35,7 @@ from handoff_server.config import Settings
 from handoff_server.core import Handoff
 from handoff_server.delivery import Delivery, Dispatch, Role, Subscription
 from handoff_server.entries import Entry, Retained, StartRequest
+from handoff_server.logs import BurstLog
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     CLEANUP_KINDS,
@@ -100,6 +101,10 @@ class Registry:
         self.clock = clock
         self._on_earlier_timer = on_earlier_timer
         self._on_idle: list[Callable[[], None]] = []
+        self._on_finished: list[Callable[[str], None]] = []
+        # A burst of abandonments (a crowd of handoffs whose engine vanished)
+        # is one line a second, not one ERROR per handoff.
+        self._abandoned = BurstLog(log, logging.ERROR, 1.0, "handoffs abandoned")
         self.handoffs: dict[str, Entry | Retained] = {}
         self.retention = Retention(
             settings, metrics, self.handoffs, lambda: self._on_earlier_timer()
@@ -127,13 +132,20 @@ class Registry:
 
     def next_wakeup(self) -> float | None:
         candidates = [
-            t for t in (self._timers.next_at(), self.retention.next_expiry()) if t is not None
+            t
+            for t in (self._timers.next_at(), self.retention.next_expiry(), self._abandoned.due())
+            if t is not None
         ]
         return min(candidates, default=None)
 
     def on_idle(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever the number of unfinished handoffs drops to zero."""
         self._on_idle.append(callback)
+
+    def on_finished(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(handoff_id)`` whenever a handoff leaves the active set
+        (complete, or abandoned while cleaning up)."""
+        self._on_finished.append(callback)
 
     # --- calls ------------------------------------------------------------
 
@@ -241,6 +253,7 @@ class Registry:
                 whose = "engine_id" if timer.kind in ENGINE_TIMERS else "handoff_id"
                 log.exception("%s timer failed", timer.kind.value, extra={whose: timer.key})
         self.retention.expire(now)
+        self._abandoned.flush(now)
         self._timers.compact(self._live_timers_bound())
 
     def _fire(self, timer: Timer, now: float) -> None:
@@ -450,7 +463,7 @@ class Registry:
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
-            self._check_idle()
+            self._finished(entry.handoff_id)
 
     def _server_fact(self, entry: Entry, fact: Fact) -> None:
         """A fact the server observed itself: a deadline, a lost engine, shutdown."""
@@ -539,11 +552,13 @@ class Registry:
             for action_id, (_, kind, engines) in entry.routed.items()
             for engine_id in engines
         ]
-        log.error(
+        self._abandoned.note(
+            now,
+            entry.handoff_id,
             "abandoning handoff still cleaning up after %.0f s; outstanding: %s",
             self.settings.cleanup_timeout_s,
             ", ".join(left) or "none",
-            extra={"handoff_id": entry.handoff_id},
+            handoff_id=entry.handoff_id,
         )
         self.metrics.abandoned.inc()
         self.metrics.handoffs_by[entry.core.phase].dec()
@@ -554,7 +569,7 @@ class Registry:
         self.delivery.disengage(entry.handoff_id, entry.engines)
         entry.abandoned_at = now
         self.retention.keep(entry)
-        self._check_idle()
+        self._finished(entry.handoff_id)
 
     def _drop_routed(self, entry: Entry) -> None:
         for action_id, (_, _, engines) in entry.routed.items():
@@ -562,7 +577,9 @@ class Registry:
         entry.routed.clear()
         self.delivery.disengage(entry.handoff_id, entry.engines)
 
-    def _check_idle(self) -> None:
+    def _finished(self, handoff_id: str) -> None:
+        for finished in self._on_finished:
+            finished(handoff_id)
         if self.active_count == 0:
             for callback in self._on_idle:
                 callback()
