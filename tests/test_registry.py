@@ -27,7 +27,15 @@ from handoff_server.model import (
     SourceHeld,
     Unavailable,
 )
-from tests.registry_support import APPLIED, DESTINATION, SOURCE, TIMING, Harness, kinds
+from tests.registry_support import (
+    APPLIED,
+    DESTINATION,
+    SOURCE,
+    SUBMITTED,
+    TIMING,
+    Harness,
+    kinds,
+)
 
 
 def test_deadline_expiry_times_out_the_handoff() -> None:
@@ -214,6 +222,7 @@ def test_a_burst_of_abandonments_is_one_line_then_one_summary(
     h = Harness(cleanup_redelivery_s=100.0, cleanup_timeout_s=60.0)
     handoff_ids = [h.start() for _ in range(50)]
     for handoff_id in handoff_ids:
+        h.registry.report_outcome(handoff_id, 0, SUBMITTED)  # the prefill holds something
         h.registry.report_fact(handoff_id, Canceled())  # nobody acknowledges the cancels
     with caplog.at_level(logging.ERROR, logger="handoff.registry"):
         h.advance(60.0)  # all fifty abandoned at once
