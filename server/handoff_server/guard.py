@@ -107,7 +107,6 @@ class EngineStreams:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.live: dict[str, int] = {}
-        self._changed = asyncio.Event()
 
     def admit(self, engine_id: str) -> bool:
         count = self.live.get(engine_id, 0)
@@ -120,13 +119,6 @@ class EngineStreams:
         count = self.live.pop(engine_id) - 1
         if count:
             self.live[engine_id] = count
-        self._changed.set()
-
-    async def wait_until(self, predicate: Callable[[dict[str, int]], bool]) -> None:
-        """Until ``predicate(live)`` holds: lets tests await a stream's end."""
-        while not predicate(self.live):
-            self._changed.clear()
-            await self._changed.wait()
 
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -162,9 +162,6 @@ class TokenSet:
                 found = who
         return found
 
-    def accepts(self, presented: str) -> bool:
-        return self.identify(presented) is not None
-
 
 def _checked_token(token: str, where: str) -> str:
     if not TOKEN.fullmatch(token):
