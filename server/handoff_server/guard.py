@@ -15,6 +15,10 @@ see :mod:`handoff_server.probes`) it counts the call against
 - a Connect peer that sends reports without reading the acknowledgements is
   slowed down (its reports are not read) instead of the server queueing
   acknowledgements for it without bound.
+
+About 460 lines because each stream kind's wrapper (StreamActions, Connect
+and its ack window) must hold the limits it takes for exactly as long as the
+stream lives; they share the admission and release paths kept here.
 """
 
 from __future__ import annotations
