@@ -42,13 +42,13 @@ README_MAX_LINES = 250
 WRITTEN_ELSEWHERE = {
     "docs/engine-contract.md",
     "docs/failures.md",
-    "docs/install.md",
     "docs/limits.md",
 }
 
 # Commands a ```sh block may name that cannot run here; only the repository
 # paths they mention are checked.
 EXTERNAL_COMMANDS = {"docker", "kubectl", "promtool", "grpcurl"}
+EXTERNAL_MODULES = {"pip", "venv"}  # python -m MODULE that is not the repository's
 REPOSITORY_DIRS = ("bench/", "client/", "deploy/", "docs/", "proto/", "server/", "tests/")
 LANGUAGES = {"python", "sh", "yaml", "json", "text"}
 
@@ -200,12 +200,22 @@ def check_make(words: list[str]) -> None:
         assert re.search(rf"^{re.escape(target)}:", makefile, re.MULTILINE), f"no make {target}"
 
 
+def module_source(module: str) -> Path:
+    """The file `python -m MODULE` runs, wherever the repository keeps it."""
+    for top in (ROOT, ROOT / "server", ROOT / "client"):
+        path = top.joinpath(*module.split("."))
+        if path.with_suffix(".py").is_file():
+            return path.with_suffix(".py")
+        if (path / "__main__.py").is_file():
+            return path / "__main__.py"
+    raise AssertionError(f"no module {module} in the repository")
+
+
 def check_python(words: list[str]) -> None:
     if words[1] == "-m":
-        module = ROOT.joinpath(*words[2].split("."))
-        source = module.with_suffix(".py") if module.with_suffix(".py").is_file() else module
-        source = source / "__main__.py" if source.is_dir() else source
-        rest = words[3:]
+        if words[2] in EXTERNAL_MODULES:
+            return
+        source, rest = module_source(words[2]), words[3:]
     else:
         source, rest = ROOT / words[1], words[2:]
     assert source.is_file(), f"no {source.relative_to(ROOT)}"
@@ -283,6 +293,15 @@ def test_every_relative_link_resolves(doc: Path) -> None:
             assert anchor in anchors(resolved), f"{doc.name}: {target}: no such heading"
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
+def test_every_repository_path_named_in_backquotes_exists(doc: Path) -> None:
+    for name in re.findall(r"`([^`\s*]+)`", doc.read_text()):
+        path = name.rstrip("/").split(":")[0]
+        if not path.startswith(REPOSITORY_DIRS) or path in WRITTEN_ELSEWHERE:
+            continue
+        assert (ROOT / path).exists(), f"{doc.name}: `{name}` does not exist"
+
+
 # --- the README --------------------------------------------------------------------
 
 
@@ -321,8 +340,9 @@ def test_the_module_map_names_the_other_parts() -> None:
 
 def test_the_testing_page_lists_every_test_file() -> None:
     text = (ROOT / "docs" / "testing.md").read_text()
-    for test in sorted((ROOT / "tests").glob("test_*.py")):
-        assert f"`tests/{test.name}`" in text, f"docs/testing.md does not list {test.name}"
+    for test in sorted((ROOT / "tests").rglob("test_*.py")):
+        name = str(test.relative_to(ROOT))
+        assert f"`{name}`" in text, f"docs/testing.md does not list {name}"
 
 
 def test_the_operations_page_lists_every_setting() -> None:
