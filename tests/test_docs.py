@@ -42,7 +42,6 @@ README_MAX_LINES = 250
 WRITTEN_ELSEWHERE = {
     "docs/engine-contract.md",
     "docs/failures.md",
-    "docs/limits.md",
 }
 
 # Commands a ```sh block may name that cannot run here; only the repository
