@@ -41,7 +41,6 @@ README_MAX_LINES = 250
 # dangle until it is merged. Remove each name once its file exists.
 WRITTEN_ELSEWHERE = {
     "docs/engine-contract.md",
-    "docs/failures.md",
 }
 
 # Commands a ```sh block may name that cannot run here; only the repository
