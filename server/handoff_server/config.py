@@ -114,6 +114,17 @@ class Settings:
     max_connection_age_grace_s: float = _setting(
         30.0, "then give its calls this long to finish before they are cut, in seconds"
     )
+    # --- durability (docs/durability.md) ----------------------------------------
+    state_dir: str = _setting(
+        "",
+        "directory of the journal that lets a restarted server recover its handoffs; "
+        "'' keeps them in memory only",
+    )
+    durability: str = _setting(
+        "normal",
+        "normal: a commit survives the process dying; full: also the machine (fsync per commit)",
+        choices=("normal", "full"),
+    )
     health_host: str = _setting("0.0.0.0", "address the plaintext health port binds")
     health_port: int = _setting(
         -1,

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from handoff_server.config import Settings
 from handoff_server.core import Completed, Handoff
@@ -91,6 +91,21 @@ class StartRequest:
     fallback_transfer_delay_ms: float
     transfer_executor: Role = Role.SOURCE
     timeout_s: float | None = None
+    # The caller's W3C trace context (traceparent, tracestate), kept in the journal.
+    trace_context: tuple[tuple[str, str], ...] = ()
+
+
+# What one accepted call changed, as the journal keeps it (recovery.py).
+Recorded = StartRequest | Fact | tuple[int, Outcome]
+
+
+class Recorder(Protocol):
+    """Where accepted calls go to be made durable: recovery.JournalRecorder."""
+
+    def record(self, handoff_id: str, at: float, call: Recorded) -> None: ...
+
+    def drop(self, handoff_id: str) -> None:
+        """The handoff left the registry (expired, evicted or abandoned)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +322,7 @@ class Registry:
         self._doomed: dict[str, None] = {}  # handoffs routed to an unreachable engine
         self._epochs = itertools.count()
         self.draining = False
+        self.recorder: Recorder | None = None
 
     # --- queries ------------------------------------------------------------
 
@@ -369,11 +385,11 @@ class Registry:
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, ("deadline", request.handoff_id), entry.deadline)
         self._engage(entry, now)
-        return CallResult(entry, self._call(entry, Handoff.start))
+        return CallResult(entry, self._call(entry, request, Handoff.start))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
         entry = self._unpacked(handoff_id)
-        dispatches = self._call(entry, lambda core: core.apply_fact(fact))
+        dispatches = self._call(entry, fact, lambda core: core.apply_fact(fact))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], origin)].inc()
         return CallResult(entry, dispatches)
 
@@ -382,6 +398,7 @@ class Registry:
         acknowledging = entry.core.is_outstanding(action_id)
         dispatches = self._call(
             entry,
+            (action_id, outcome),
             lambda core: core.apply_outcome(action_id, outcome),
             acknowledged=(action_id, outcome) if acknowledging else None,
         )
@@ -533,6 +550,7 @@ class Registry:
     def _call(
         self,
         entry: Entry,
+        recorded: Recorded,
         call: Callable[[Handoff], tuple[Action, ...]],
         acknowledged: tuple[int, Outcome] | None = None,
     ) -> tuple[Dispatch, ...]:
@@ -553,6 +571,10 @@ class Registry:
                 f"unexpected {type(error).__name__}; the handoff is unchanged"
             ) from error
         now = self.clock()
+        # Recorded before anything the call sets off (a doomed handoff's
+        # Failed, an eviction), so the journal keeps the order it happened in.
+        if self.recorder is not None:
+            self.recorder.record(entry.handoff_id, now, recorded)
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         self._stamp_lifecycle(entry, events_before, now)
@@ -650,7 +672,7 @@ class Registry:
 
     def _server_fact(self, entry: Entry, fact: Fact) -> None:
         """A fact the server observed itself: a deadline, an unreachable engine, shutdown."""
-        self._call(entry, lambda core: core.apply_fact(fact))
+        self._call(entry, fact, lambda core: core.apply_fact(fact))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], "server")].inc()
 
     def _fail_doomed(self) -> None:
@@ -786,6 +808,8 @@ class Registry:
         self._disengage(entry)
         del self.handoffs[entry.handoff_id]
         self.metrics.handoffs_by[entry.core.phase].dec()
+        if self.recorder is not None:
+            self.recorder.drop(entry.handoff_id)
 
     # --- retention -----------------------------------------------------------
 
@@ -824,6 +848,8 @@ class Registry:
         del self.handoffs[oldest.handoff_id]
         self._retained_count -= 1
         self.metrics.handoffs_by[Phase.COMPLETE].dec()
+        if self.recorder is not None:
+            self.recorder.drop(oldest.handoff_id)
 
     def _next_expiry(self) -> float | None:
         # Completion times never decrease, so neither do expiries: the

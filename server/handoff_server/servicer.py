@@ -8,17 +8,19 @@ no two calls interleave on one handoff.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
+from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument
 from handoff_server.registry import CallResult, Dispatch, Registry, Subscription
@@ -30,6 +32,7 @@ STREAM_BATCH = 256
 # Built once: OutcomeKind.values() makes a new list on every call, and every
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
+TRACE_CONTEXT = ("traceparent", "tracestate")
 
 
 def _shown(handoff_id: str) -> str:
@@ -46,10 +49,34 @@ class Rejection(Exception):
         self.message = message
 
 
+async def _nothing_pending() -> None:
+    return None
+
+
 class Servicer(pb_grpc.HandoffCoordinatorServicer):
-    def __init__(self, registry: Registry, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: Metrics,
+        *,
+        durable: Callable[[], Awaitable[None]] = _nothing_pending,
+        subscription_headers: Sequence[tuple[str, str]] = (),
+        engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
+    ) -> None:
         self.registry = registry
         self.metrics = metrics
+        # Awaited before anything is written to the network: with a journal,
+        # nothing leaves before the commit that holds it (journal.py).
+        self._durable = durable
+        self.subscription_headers = tuple(subscription_headers)
+        self._engine_incarnation = engine_incarnation
+
+    async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Wait until every accepted call so far is durable; a broken journal ends the call."""
+        try:
+            await self._durable()
+        except JournalFailed as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
     def answer(self, rpc: str, subject: str | Callable[[], str], work: Callable[[], R]) -> R:
         """Run ``work``; turn any failure into a Rejection with a clear message.
@@ -80,13 +107,20 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subject = f"handoff {_shown(request.handoff_id)}"
 
         def work() -> pb.StartHandoffResponse:
-            answer = Answer.of(self.registry.start(convert.start_request(request)))
+            start = convert.start_request(request)
+            trace = _trace_context(context)
+            if trace:
+                start = dataclasses.replace(start, trace_context=trace)
+            answer = Answer.of(self.registry.start(start))
             return pb.StartHandoffResponse(handoff=answer.handoff, actions=answer.actions)
 
         try:
-            return self.answer("StartHandoff", subject, work)
+            response = self.answer("StartHandoff", subject, work)
         except Rejection as rejection:
+            await self.durably(context)  # a refusal tells of state too (an id in use)
             await context.abort(rejection.code, rejection.message)
+        await self.durably(context)
+        return response
 
     async def ReportFact(
         self,
@@ -95,9 +129,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.ReportFactResponse:
         try:
             answer = Answer.of(self.report_fact(request, "ReportFact"))
-            return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
+            await self.durably(context)
             await context.abort(rejection.code, rejection.message)
+        await self.durably(context)
+        return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
 
     async def ReportOutcome(
         self,
@@ -106,9 +142,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.ReportOutcomeResponse:
         try:
             answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
-            return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
+            await self.durably(context)
             await context.abort(rejection.code, rejection.message)
+        await self.durably(context)
+        return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
 
     async def GetHandoff(
         self,
@@ -122,9 +160,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             return pb.GetHandoffResponse(handoff=convert.handoff(entry))
 
         try:
-            return self.answer("GetHandoff", subject, work)
+            response = self.answer("GetHandoff", subject, work)
         except Rejection as rejection:
+            await self.durably(context)
             await context.abort(rejection.code, rejection.message)
+        await self.durably(context)
+        return response
 
     def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> CallResult:
         def work() -> CallResult:
@@ -161,11 +202,14 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             await context.abort(rejection.code, rejection.message)
         ready = asyncio.Event()
         subscription = self.registry.subscribe(engine_id, ready.set)
+        if request.incarnation:
+            self._engine_incarnation(engine_id, request.incarnation)
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.subscription_headers)
             while (batch := await self._next_batch(subscription, ready)) is not None:
+                await self.durably(context)
                 for dispatch in batch:
                     yield convert.action(dispatch)
         finally:
@@ -196,19 +240,22 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         ready = asyncio.Event()
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
         subscription = self.registry.subscribe(hello.engine_id, ready.set)
+        if hello.incarnation:
+            self._engine_incarnation(hello.engine_id, hello.incarnation)
         reader = asyncio.create_task(self._read_reports(request_iterator, owed, ready))
         log.info("engine connected", extra={"engine_id": hello.engine_id})
         try:
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.subscription_headers)
             while True:
                 ready.clear()
                 dispatches = self.registry.take(subscription, STREAM_BATCH)
                 if dispatches is None:
                     return  # replaced by a newer stream for this engine
                 responses = owed.responses(dispatches)
-                for response in responses:
-                    yield response
                 if responses:
+                    await self.durably(context)
+                    for response in responses:
+                        yield response
                     continue
                 if reader.done():
                     reader.result()  # surfaces a read error, if any
@@ -341,6 +388,14 @@ def _fact_subject(request: pb.ReportFactRequest) -> str:
 def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
     kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
     return f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
+
+
+def _trace_context(
+    context: grpc.aio.ServicerContext[Any, Any],
+) -> tuple[tuple[str, str], ...]:
+    """The caller's W3C trace context headers, if any, for the journal."""
+    metadata = context.invocation_metadata() or ()
+    return tuple((key, str(value)) for key, value in metadata if key in TRACE_CONTEXT)
 
 
 def _unexpected_hello() -> None:
