@@ -180,6 +180,12 @@ class Journal:
         """Each engine's last incarnation, as last recorded."""
         return dict(self._db.execute("SELECT engine_id, incarnation FROM engines"))
 
+    @property
+    def synchronous(self) -> str:
+        """SQLite's synchronous setting in force: NORMAL or FULL."""
+        level = self._db.execute("PRAGMA synchronous").fetchone()[0]
+        return {1: "NORMAL", 2: "FULL"}.get(level, str(level))
+
     def size_bytes(self) -> int:
         path = self.state_dir / DATABASE
         return sum(
