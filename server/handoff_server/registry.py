@@ -350,7 +350,10 @@ class Registry:
     def start(self, request: StartRequest) -> CallResult:
         if self.draining:
             raise Unavailable("the server is shutting down and takes no new handoffs")
-        self._expire_retained(self.clock())
+        # One reading of the clock for the whole call: the journal keeps one
+        # time per call, and a replay must give the start the same times.
+        now = self.clock()
+        self._expire_retained(now)
         if request.handoff_id in self.handoffs:
             raise AlreadyExists("this id is already in use (active or retained)")
         if self.active_count >= self.settings.max_active_handoffs:
@@ -366,7 +369,6 @@ class Registry:
                     f"is {self.settings.max_queued_actions_per_engine}"
                 )
         core = Handoff(request.handoff_id, request.order, request.fallback_transfer_delay_ms)
-        now = self.clock()
         timeout = (
             self.settings.default_timeout_s if request.timeout_s is None else request.timeout_s
         )
@@ -385,7 +387,7 @@ class Registry:
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, ("deadline", request.handoff_id), entry.deadline)
         self._engage(entry, now)
-        return CallResult(entry, self._call(entry, request, Handoff.start))
+        return CallResult(entry, self._call(entry, request, Handoff.start, now=now))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
         entry = self._unpacked(handoff_id)
@@ -553,6 +555,7 @@ class Registry:
         recorded: Recorded,
         call: Callable[[Handoff], tuple[Action, ...]],
         acknowledged: tuple[int, Outcome] | None = None,
+        now: float | None = None,
     ) -> tuple[Dispatch, ...]:
         core = entry.core
         checkpoint = core.checkpoint()
@@ -570,7 +573,8 @@ class Registry:
             raise Internal(
                 f"unexpected {type(error).__name__}; the handoff is unchanged"
             ) from error
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         # Recorded before anything the call sets off (a doomed handoff's
         # Failed, an eviction), so the journal keeps the order it happened in.
         if self.recorder is not None:
