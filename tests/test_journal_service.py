@@ -180,3 +180,19 @@ async def test_without_a_state_dir_the_server_says_it_keeps_nothing(
     assert "no state dir: handoffs are kept in memory only" in caplog.text
     assert server.journal is None
     assert (await headers(server, connect=True))["handoff-recovered"] == "false"
+
+
+@pytest.mark.timeout(30)
+async def test_a_commit_that_fails_answers_nothing_and_stops_the_server(
+    journaled: Server, stub: pb_grpc.HandoffCoordinatorAsyncStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(self: Journal, *batch: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Journal, "_commit", disk_full)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.StartHandoff(start(str(uuid.uuid4())))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the journal cannot be written" in (refused.value.details() or "")
+    assert "No space left on device" in (refused.value.details() or "")
+    await journaled.failed.wait()  # serve.py exits 1 on it, without draining
