@@ -9,6 +9,10 @@ In one run:
   falls on all alike. Reported: completed handoffs/s and server CPU per
   handoff (all threads, the journal's writer included), and the journal's
   bytes per handoff it holds.
+- **Soak.** The journaling server under a steady open-loop load for
+  ``--soak-s`` with a short retention: its RSS and the journal's files (the
+  database and its WAL) must stop growing once retention expires handoffs
+  as fast as they come.
 - **Recovery.** A journal holding ``--live`` handoffs mid-flight and
   ``--retained`` completed ones, written by a registry on a clock that stands
   still (so nothing expires while it is built), then opened and replayed as
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from bench.load import LoadSpec
+from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, say
 from handoff_server.config import Settings
@@ -107,6 +111,64 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
     return lines
 
 
+def soak(args: argparse.Namespace, state: Path) -> list[str]:
+    state_dir = state / "soak"
+    server = ServerProcess.service(
+        "--event-loop",
+        args.event_loop,
+        "--state-dir",
+        str(state_dir),
+        "--retention-s",
+        str(args.soak_retention_s),
+        name="journal soak",
+    )
+    spec = LoadSpec(
+        target=server.target,
+        path="stream",
+        pairs=args.pairs,
+        concurrency=args.concurrency,
+        duration_s=args.soak_s,
+        warmup_s=0.0,
+        rate=args.soak_rate,
+    )
+    samples: list[tuple[float, int, int]] = []  # seconds, RSS, journal bytes
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            say(f"soak: {args.soak_rate:g}/s for {args.soak_s:g} s")
+            running = pool.apply_async(run_in_process, (spec,))
+            began = time.monotonic()
+            while not running.ready():
+                running.wait(args.soak_s / 60)
+                size = sum(p.stat().st_size for p in state_dir.glob(f"{DATABASE}*"))
+                samples.append((time.monotonic() - began, server.rss_bytes(), size))
+            result = running.get()
+    finally:
+        server.stop()
+    # Steady once retention has expired the first handoffs, plus the WAL's
+    # first checkpoint: judged from a third of the way in.
+    steady = [s for s in samples if s[0] >= max(args.soak_s / 3, 2 * args.soak_retention_s)]
+    early = steady[: len(steady) // 2] or steady
+    late = steady[len(steady) // 2 :] or steady
+    rss_growth = max(s[1] for s in late) / max(s[1] for s in early) - 1
+    size_growth = max(s[2] for s in late) / max(s[2] for s in early) - 1
+    flat = rss_growth <= 0.10 and size_growth <= 0.10
+    return [
+        f"Soak with the journal on: {result.completed:,} handoffs at {args.soak_rate:g}/s for "
+        f"{args.soak_s:g} s, retention {args.soak_retention_s:g} s; "
+        f"{result.rejected + result.unfinished} rejected or unfinished.",
+        "",
+        "| at | RSS | journal files (database + WAL) |",
+        "|---:|---:|---:|",
+        *(
+            f"| {at:.0f} s | {rss / 2**20:.1f} MiB | {size / 2**20:.2f} MiB |"
+            for at, rss, size in samples[:: max(1, len(samples) // 8)] + samples[-1:]
+        ),
+        "",
+        f"Second half of the steady part against the first: RSS {rss_growth:+.1%}, journal "
+        f"files {size_growth:+.1%}: {'FLAT' if flat else 'GROWS'} (limit +10%).",
+    ]
+
+
 def cpu_per_handoff(runs: list[Measured]) -> float:
     done = sum(m.result.total_completed for m in runs)
     return sum(m.server_cpu_s for m in runs) / done * 1e6 if done else float("nan")
@@ -178,7 +240,7 @@ def recovery(args: argparse.Namespace, state: Path) -> list[str]:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (< 30 s)")
-    parser.add_argument("--only", default="overhead,recovery", help="overhead and/or recovery")
+    parser.add_argument("--only", default="overhead,soak,recovery", help="parts, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
     parser.add_argument("--duration-s", type=float, default=15.0, help="each measured window")
     parser.add_argument("--concurrency", type=int, default=128, help="handoffs in flight")
@@ -186,11 +248,15 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=1, help="load processes")
     parser.add_argument("--live", type=int, default=100_000, help="live handoffs to recover")
     parser.add_argument("--retained", type=int, default=100_000, help="retained to recover")
+    parser.add_argument("--soak-s", type=float, default=600.0, help="soak duration")
+    parser.add_argument("--soak-rate", type=float, default=100.0, help="soak handoffs/s")
+    parser.add_argument("--soak-retention-s", type=float, default=30.0, help="soak retention")
     parser.add_argument("--event-loop", default="uvloop", choices=("asyncio", "uvloop"))
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration_s, args.concurrency = 1, 1.0, 32
         args.live, args.retained = 500, 500
+        args.soak_s, args.soak_rate, args.soak_retention_s = 6.0, 50.0, 1.0
     return args
 
 
@@ -203,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="handoff-journal-bench-") as tmp:
         if "overhead" in parts:
             lines += overhead(args, Path(tmp))
+            lines.append("")
+        if "soak" in parts:
+            lines += soak(args, Path(tmp))
             lines.append("")
         if "recovery" in parts:
             lines += recovery(args, Path(tmp))
