@@ -49,9 +49,6 @@ from handoff_server.registry import Recorded, Registry, Role, StartRequest, Subs
 log = logging.getLogger("handoff.recovery")
 
 TAKE_ALL = 1 << 30
-# The stand-in streams take what was issued every so many records: often
-# enough that no engine's queue nears its limit (which would refuse a start).
-TAKE_EVERY = 256
 SIMPLE_FACTS: dict[str, Fact] = {
     "transfer_completed": TransferCompleted(),
     "failed": Failed(),
@@ -218,9 +215,10 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
             except HandoffError as error:
                 skipped += 1
                 log.debug("record %d skipped: %s", record.seq, error.message)
-            if records % TAKE_EVERY == 0:
-                while ready:
-                    registry.take(streams[ready.pop()], TAKE_ALL)
+            # Taken at once, as a live stream would have: whether an engine was
+            # reached is part of the state (what is redelivered; who is owed).
+            while ready:
+                registry.take(streams[ready.pop()], TAKE_ALL)
         clock.resume()
         for stream in streams.values():
             registry.take(stream, TAKE_ALL)
