@@ -25,6 +25,7 @@ from handoff_server.model import (
     ActionKind,
     Canceled,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     HandoffError,
@@ -32,6 +33,7 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
+    Side,
     SourceHeld,
     TimingMode,
     TransferCompleted,
@@ -63,6 +65,8 @@ FACTS: list[Fact] = [
     TransferCompleted(),
     Failed(),
     Canceled(),
+    EngineLost(Side.SOURCE),
+    EngineLost(Side.DESTINATION),
 ]
 OUTCOMES = [Outcome(kind) for kind in OutcomeKind if kind is not OutcomeKind.FAILED] + [
     Outcome(OutcomeKind.FAILED, "engine said no")

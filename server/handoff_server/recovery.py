@@ -31,6 +31,7 @@ from handoff_server.metrics import Metrics
 from handoff_server.model import (
     Canceled,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     HandoffError,
@@ -38,6 +39,7 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
+    Side,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -88,6 +90,8 @@ def encode(call: Recorded) -> list[object]:
         ]
     if isinstance(call, DestinationReserved):
         return ["destination_reserved", call.transferable_prompt_tokens]
+    if isinstance(call, EngineLost):
+        return ["engine_lost", call.role.value]
     return [SIMPLE_NAMES[type(call)]]
 
 
@@ -115,6 +119,8 @@ def decode(handoff_id: str, body: list[Any]) -> Recorded:
         )
     if kind == "destination_reserved":
         return DestinationReserved(body[1])
+    if kind == "engine_lost":
+        return EngineLost(Side(body[1]))
     return SIMPLE_FACTS[kind]
 
 
