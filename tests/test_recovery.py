@@ -256,3 +256,29 @@ def test_an_empty_state_dir_recovers_nothing(tmp_path: Path) -> None:
     assert world.recovery.total == 0
     assert world.recovery.handoffs[Phase.ACTIVE] == 0
     world.journal.close_now()
+
+
+def test_an_engine_that_does_not_come_back_is_lost_a_delivery_timeout_after_recovery(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    first = World(tmp_path, clock)
+    for engine in ("prefill-a", "decode-a"):
+        first.streams[engine] = first.registry.subscribe(engine, lambda: None)
+    start = StartRequest(IDS[0], Order.SOURCE_FIRST, "prefill-a", "decode-a", 1.0, timeout_s=3600)
+    first.registry.start(start)
+    first.journal.commit_now()
+    first.journal.close_now()
+
+    # Down for far longer than the delivery timeout: counted from recovery,
+    # not from the last record, so the engines get their full time back.
+    later = FakeClock()
+    later.now = clock.now + 10 * SETTINGS.delivery_timeout_s
+    second = World(tmp_path, later)
+    later.now += SETTINGS.delivery_timeout_s - 0.5
+    second.registry.fire_due()
+    assert second.registry.get(IDS[0]).core.phase is Phase.ACTIVE
+    later.now += 1.0
+    second.registry.fire_due()
+    assert second.registry.get(IDS[0]).core.phase is not Phase.ACTIVE
+    second.journal.close_now()
