@@ -141,6 +141,9 @@ class Journal:
             _report_torn_tail(path)
             try:
                 connection = _connect(path, durability)
+            except sqlite3.OperationalError as error:
+                # Not the file's content (permissions, a full disk): keep it.
+                raise JournalError(f"cannot open {path}: {error}") from error
             except sqlite3.DatabaseError as error:
                 _move_aside(path, str(error))
                 connection = _connect(path, durability)
