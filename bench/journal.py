@@ -39,6 +39,7 @@ from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, say
 from handoff_server.config import Settings
+from handoff_server.entries import StartRequest
 from handoff_server.journal import DATABASE, Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -52,7 +53,7 @@ from handoff_server.model import (
     TransferTiming,
 )
 from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry, StartRequest
+from handoff_server.registry import Registry
 
 MODES = {"off": (), "normal": ("--durability", "normal"), "full": ("--durability", "full")}
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1024, 1024, 10.0)

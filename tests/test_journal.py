@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from handoff_server.config import Settings
+from handoff_server.entries import StartRequest
 from handoff_server.journal import DATABASE, Journal, NewerFormat, StateDirBusy
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -27,7 +28,7 @@ from handoff_server.model import (
     TransferTiming,
 )
 from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry, StartRequest
+from handoff_server.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 HANDOFF = [sys.executable, "-m", "handoff_server.cli"]

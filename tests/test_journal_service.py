@@ -104,8 +104,10 @@ async def test_no_answer_ack_or_action_leaves_before_its_commit(
     # A refusal tells of state too: the id in use is durable before it is refused.
     other = str(uuid.uuid4())
     await stub.StartHandoff(start(other))
+    elsewhere = start(other)
+    elsewhere.destination_engine_id = "decode-elsewhere"
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.StartHandoff(start(other))
+        await stub.StartHandoff(elsewhere)
     assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
 
 
@@ -168,7 +170,6 @@ async def test_a_restart_recovers_and_subscriptions_say_so(
         for h in ids:
             view = (await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=h))).handoff
             assert view == views[h]
-            assert view.phase == pb.PHASE_CLEANING_UP  # no engine acknowledged the cancels
 
 
 @pytest.mark.timeout(30)

@@ -14,11 +14,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from handoff_server import convert
 from handoff_server.config import Settings
+from handoff_server.delivery import Role, Subscription
+from handoff_server.entries import Entry, StartRequest
 from handoff_server.journal import Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -29,6 +32,7 @@ from handoff_server.model import (
     Fact,
     Failed,
     HandoffError,
+    LifecycleEvent,
     Order,
     Outcome,
     OutcomeKind,
@@ -40,9 +44,10 @@ from handoff_server.model import (
     TransferTiming,
 )
 from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Entry, Registry, Role, StartRequest, Subscription
+from handoff_server.registry import Registry
 
 COMPLETE = ActionKind.COMPLETE
+INCARNATIONS = ["", "a", "b"]
 IDS = [f"h{i}" for i in range(8)]
 ENGINES = ["prefill-a", "prefill-b", "decode-a", "decode-b"]
 SETTINGS = Settings(
@@ -127,12 +132,16 @@ class World:
             elif op == "stream":
                 engine = data.draw(st.sampled_from(ENGINES))
                 if engine in self.streams:
-                    r.unsubscribe(self.streams.pop(engine))
+                    r.delivery.unsubscribe(self.streams.pop(engine))
                 else:
-                    self.streams[engine] = r.subscribe(engine, lambda: None)
+                    # A later incarnation is a restart: the old one is lost.
+                    incarnation = data.draw(st.sampled_from(INCARNATIONS))
+                    self.streams[engine] = r.subscribe(engine, lambda: None, incarnation)
+                    if incarnation:
+                        self.journal.engine(engine, incarnation)
             elif op == "take":
                 for stream in self.streams.values():
-                    r.take(stream)
+                    r.delivery.take(stream)
             else:
                 self.clock.now += data.draw(st.sampled_from([0.5, 2.0, 9.0, 16.0, 40.0]))
                 r.fire_due()
@@ -152,16 +161,6 @@ def state(registry: Registry) -> dict[str, Any]:
             tuple(sorted(entry.routed.items())) if isinstance(entry, Entry) else (),
         )
     return out
-
-
-def owed(registry: Registry) -> dict[str, set[tuple[str, int]]]:
-    """What each engine is owed: the outstanding actions routed to it."""
-    result: dict[str, set[tuple[str, int]]] = {engine: set() for engine in ENGINES}
-    for handoff_id, entry in registry.handoffs.items():
-        for action_id, (_, _, engines) in entry.routed.items():
-            for engine in engines:
-                result[engine].add((handoff_id, action_id))
-    return result
 
 
 @settings(
@@ -194,19 +193,21 @@ def test_a_recovered_registry_equals_the_one_that_crashed(data: st.DataObject) -
         assert second.registry.active_count == first.registry.active_count
 
         # Every outstanding action counts as written: an engine that comes
-        # back is sent again exactly what it owes, and nothing else.
-        expected = owed(first.registry)
+        # back to the recovered server is sent exactly what it would be sent
+        # on coming back to the one that did not crash.
+        last = second.recovery.engine_incarnations
         for engine in ENGINES:
-            stream = second.registry.subscribe(engine, lambda: None)
-            sent = second.registry.take(stream, 10_000) or []
-            written = {(d.handoff_id, d.action.id) for d in sent if d.action.kind is not COMPLETE}
-            assert written == expected[engine]
-            assert all(d.attempt >= 1 for d in sent)
-            second.streams[engine] = stream
-        for engine in ENGINES:
-            if engine not in first.streams:
-                first.streams[engine] = first.registry.subscribe(engine, lambda: None)
-            first.registry.take(first.streams[engine], 10_000)
+            sent = {}
+            for world in (first, second):
+                if engine in world.streams:
+                    world.registry.delivery.unsubscribe(world.streams.pop(engine))
+                stream = world.registry.subscribe(engine, lambda: None, last.get(engine, ""))
+                world.streams[engine] = stream
+                taken = world.registry.delivery.take(stream, 10_000) or []
+                sent[world] = {
+                    (d.handoff_id, d.action.id) for d in taken if d.action.kind is not COMPLETE
+                }
+            assert sent[second] == sent[first]
 
         # From here both go on alike, engines connected to both.
         for _ in range(data.draw(st.integers(0, 30))):
@@ -281,4 +282,35 @@ def test_an_engine_that_does_not_come_back_is_lost_a_delivery_timeout_after_reco
     later.now += 1.0
     second.registry.fire_due()
     assert second.registry.get(IDS[0]).core.phase is not Phase.ACTIVE
+    second.journal.close_now()
+
+
+@pytest.mark.parametrize(("incarnation", "lost"), [("a1", False), ("a2", True)])
+def test_after_recovery_a_restarted_engine_is_told_from_one_that_reconnects(
+    tmp_path: Path, incarnation: str, lost: bool
+) -> None:
+    """The journal keeps each engine's last incarnation: coming back under it
+    is a reconnect (its actions are sent again); under a newer one, the engine
+    restarted while the coordinator was down, and its handoffs lose it."""
+    clock = FakeClock()
+    first = World(tmp_path, clock)
+    first.registry.subscribe("prefill-a", lambda: None, "a1")
+    first.journal.engine("prefill-a", "a1")
+    start = StartRequest(IDS[0], Order.SOURCE_FIRST, "prefill-a", "decode-a", 1.0, timeout_s=3600)
+    first.registry.start(start)
+    first.journal.commit_now()
+    first.journal.close_now()
+
+    second = World(tmp_path, clock)
+    stream = second.registry.subscribe("prefill-a", lambda: None, incarnation)
+    sent = second.registry.delivery.take(stream) or []
+    entry = second.registry.get(IDS[0])
+    if lost:
+        assert entry.core.phase is not Phase.ACTIVE
+        assert LifecycleEvent.SOURCE_LOST in entry.core.lifecycle
+        # Nothing to do for the engine that restarted: only the notice that it ended.
+        assert [d.action.kind for d in sent] == [ActionKind.COMPLETE]
+    else:
+        assert entry.core.phase is Phase.ACTIVE
+        assert [(d.action.kind, d.attempt) for d in sent] == [(ActionKind.SUBMIT_PREFILL, 2)]
     second.journal.close_now()

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from handoff_server.delivery import Role, Subscription
+from handoff_server.entries import Entry, StartRequest
 from handoff_server.journal import Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -46,11 +48,13 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Recorded, Registry, Role, StartRequest, Subscription
+from handoff_server.registry import Recorded, Registry
 
 log = logging.getLogger("handoff.recovery")
 
 TAKE_ALL = 1 << 30
+STAND_IN_SESSION = "journal-recovery"
+ABANDONED = "abandoned"  # a record of its own: the cleanup timer's doing, not a call's
 SIMPLE_FACTS: dict[str, Fact] = {
     "transfer_completed": TransferCompleted(),
     "failed": Failed(),
@@ -135,6 +139,9 @@ class JournalRecorder:
     def record(self, handoff_id: str, at: float, call: Recorded) -> None:
         self.journal.append(handoff_id, at, encode(call))
 
+    def abandoned(self, handoff_id: str, at: float) -> None:
+        self.journal.append(handoff_id, at, [ABANDONED])
+
     def drop(self, handoff_id: str) -> None:
         self.journal.drop(handoff_id)
 
@@ -174,7 +181,8 @@ class ReplayClock:
 class Recovery:
     """What a replay brought back."""
 
-    handoffs: dict[Phase, int]
+    handoffs: dict[Phase, int]  # by phase, the abandoned apart
+    abandoned: int
     records: int
     skipped: int  # records the registry no longer accepted (see recover)
     seconds: float
@@ -182,7 +190,7 @@ class Recovery:
 
     @property
     def total(self) -> int:
-        return sum(self.handoffs.values())
+        return sum(self.handoffs.values()) + self.abandoned
 
 
 def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recovery:
@@ -196,18 +204,31 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
     began = time.monotonic()
     assert registry.recorder is None, "replay must not journal what it replays"
     live_metrics, registry.metrics = registry.metrics, Metrics()  # history is not news
+    delivery = registry.delivery
+    delivery.metrics = registry.metrics
     streams: dict[str, Subscription] = {}
     ready: set[str] = set()
     records = skipped = 0
+    incarnations = journal.engine_incarnations()
 
     def stand_in(engine_id: str) -> None:
+        # Under the engine's last incarnation: the engine that comes back
+        # under it reconnects; one under a newer one restarted, and is lost.
         if engine_id not in streams:
-            streams[engine_id] = registry.subscribe(engine_id, lambda: ready.add(engine_id))
+            streams[engine_id] = registry.subscribe(
+                engine_id,
+                lambda: ready.add(engine_id),
+                incarnations.get(engine_id, ""),
+                STAND_IN_SESSION,
+            )
 
     with _quiet("handoff.registry"):
         for record in journal.records():
             records += 1
             clock.replaying(record.at)
+            if record.body[0] == ABANDONED:
+                registry.abandon(record.handoff_id)
+                continue
             call = decode(record.handoff_id, record.body)
             try:
                 if isinstance(call, StartRequest):
@@ -224,29 +245,32 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
             # Taken at once, as a live stream would have: whether an engine was
             # reached is part of the state (what is redelivered; who is owed).
             while ready:
-                registry.take(streams[ready.pop()], TAKE_ALL)
+                delivery.take(streams[ready.pop()], TAKE_ALL)
         clock.resume()
         for stream in streams.values():
-            registry.take(stream, TAKE_ALL)
-            registry.unsubscribe(stream)
-    registry.metrics = live_metrics
+            delivery.take(stream, TAKE_ALL)
+            delivery.unsubscribe(stream)
+    registry.metrics = delivery.metrics = live_metrics
     phases = dict.fromkeys(Phase, 0)
+    abandoned = 0
     for entry in registry.handoffs.values():
-        phases[entry.core.phase] += 1
+        if isinstance(entry, Entry) and entry.abandoned_at is not None:
+            abandoned += 1  # kept for GetHandoff, counted in no phase
+        else:
+            phases[entry.core.phase] += 1
     for phase, count in phases.items():
         live_metrics.handoffs_by[phase].set(count)
-    recovery = Recovery(
-        phases, records, skipped, time.monotonic() - began, journal.engine_incarnations()
-    )
+    recovery = Recovery(phases, abandoned, records, skipped, time.monotonic() - began, incarnations)
     live_metrics.recovered_handoffs.set(recovery.total)
     live_metrics.recovery_seconds.set(recovery.seconds)
     log.info(
-        "recovered %d handoffs (%d active, %d cleaning up, %d retained) from %d journal "
-        "records in %.2f s",
+        "recovered %d handoffs (%d active, %d cleaning up, %d retained, %d abandoned) from "
+        "%d journal records in %.2f s",
         recovery.total,
         phases[Phase.ACTIVE],
         phases[Phase.CLEANING_UP],
         phases[Phase.COMPLETE],
+        abandoned,
         records,
         recovery.seconds,
     )

@@ -13,17 +13,18 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
+from handoff_server.delivery import Dispatch, Fenced, Subscription
 from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
-from handoff_server.registry import CallResult, Dispatch, Registry, Subscription
+from handoff_server.registry import CallResult, Registry
 
 log = logging.getLogger("handoff.servicer")
 
@@ -53,10 +54,17 @@ def _shown(handoff_id: str) -> str:
 class Rejection(Exception):
     """A call refused with a gRPC status; raised out of :meth:`Servicer.answer`."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailers = trailers
+
+    async def abort(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        await context.abort(self.code, self.message, self.trailers)
+        raise AssertionError("abort returns only by raising")
 
 
 async def _nothing_pending() -> None:
@@ -95,17 +103,21 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         only needed on failure, and building it on every report costs more
         than some reports do.
         """
+        trailers: tuple[tuple[str, str], ...] = ()
         try:
             return work()
         except HandoffError as error:
             code, reason = grpc.StatusCode[error.code], error.message
             named = subject if isinstance(subject, str) else subject()
+            if isinstance(error, Fenced):
+                # The sidecar acts on why it was fenced, not on the message.
+                trailers = (("handoff-fence", error.fence.value),)
         except Exception:
             code, reason = grpc.StatusCode.INTERNAL, f"internal error in {rpc}"
             named = subject if isinstance(subject, str) else subject()
             log.exception("unexpected failure in %s", rpc, extra={"subject": named})
         self.metrics.rejected(rpc, code.name)
-        raise Rejection(code, f"{named}: {reason}")
+        raise Rejection(code, f"{named}: {reason}", trailers)
 
     # --- unary --------------------------------------------------------------
 
@@ -121,14 +133,19 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             trace = _trace_context(context)
             if trace:
                 start = dataclasses.replace(start, trace_context=trace)
-            answer = Answer.of(self.registry.start(start))
-            return pb.StartHandoffResponse(handoff=answer.handoff, actions=answer.actions)
+            result = self.registry.start(start)
+            answer = Answer.of(result)
+            return pb.StartHandoffResponse(
+                handoff=answer.handoff,
+                actions=answer.actions,
+                already_started=result.already_started,
+            )
 
         try:
             response = self.answer("StartHandoff", subject, work)
         except Rejection as rejection:
             await self.durably(context)  # a refusal tells of state too (an id in use)
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
         await self.durably(context)
         return response
 
@@ -141,7 +158,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             answer = Answer.of(self.report_fact(request, "ReportFact"))
         except Rejection as rejection:
             await self.durably(context)
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
         await self.durably(context)
         return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
 
@@ -154,7 +171,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
         except Rejection as rejection:
             await self.durably(context)
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
         await self.durably(context)
         return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
 
@@ -173,7 +190,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             response = self.answer("GetHandoff", subject, work)
         except Rejection as rejection:
             await self.durably(context)
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
         await self.durably(context)
         return response
 
@@ -202,18 +219,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.StreamActionsRequest,
         context: grpc.aio.ServicerContext[pb.StreamActionsRequest, pb.Action],
     ) -> AsyncIterator[pb.Action]:
+        ready = asyncio.Event()
         try:
-            engine_id = self.answer(
+            subscription = self.answer(
                 "StreamActions",
                 "stream",
-                lambda: security.authorize_engine(convert.engine_id(request.engine_id)),
+                lambda: self._subscribe(
+                    request.engine_id, request.incarnation, request.session_id, ready.set
+                ),
             )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        ready = asyncio.Event()
-        subscription = self.registry.subscribe(engine_id, ready.set)
-        if request.incarnation:
-            self._engine_incarnation(engine_id, request.incarnation)
+            await rejection.abort(context)
+        engine_id = subscription.engine_id
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
@@ -223,8 +240,21 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 for dispatch in batch:
                     yield convert.action(dispatch)
         finally:
-            self.registry.unsubscribe(subscription)
+            self.registry.delivery.unsubscribe(subscription)
             log.info("engine stream ended", extra={"engine_id": engine_id})
+
+    def _subscribe(
+        self, engine_id: str, incarnation: str, session_id: str, on_ready: Callable[[], None]
+    ) -> Subscription:
+        subscription = self.registry.subscribe(
+            security.authorize_engine(convert.engine_id(engine_id)),
+            on_ready,
+            convert.incarnation(incarnation),
+            convert.session_id(session_id),
+        )
+        if incarnation:
+            self._engine_incarnation(subscription.engine_id, incarnation)
+        return subscription
 
     async def _next_batch(
         self, subscription: Subscription, ready: asyncio.Event
@@ -232,7 +262,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         """Wait for work on ``subscription``; None once it has been replaced."""
         while True:
             ready.clear()
-            batch = self.registry.take(subscription, STREAM_BATCH)
+            batch = self.registry.delivery.take(subscription, STREAM_BATCH)
             if batch is None or batch:
                 return batch
             await ready.wait()
@@ -243,15 +273,19 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
         first = await anext(aiter(request_iterator), None)
+        ready = asyncio.Event()
         try:
             hello = self.answer("Connect", "connect", lambda: _hello(first))
+            subscription = self.answer(
+                "Connect",
+                "connect",
+                lambda: self._subscribe(
+                    hello.engine_id, hello.incarnation, hello.session_id, ready.set
+                ),
+            )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        ready = asyncio.Event()
+            await rejection.abort(context)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
-        subscription = self.registry.subscribe(hello.engine_id, ready.set)
-        if hello.incarnation:
-            self._engine_incarnation(hello.engine_id, hello.incarnation)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
         )
@@ -260,7 +294,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             await context.send_initial_metadata(self.subscription_headers)
             while True:
                 ready.clear()
-                dispatches = self.registry.take(subscription, STREAM_BATCH)
+                dispatches = self.registry.delivery.take(subscription, STREAM_BATCH)
                 if dispatches is None:
                     return  # replaced by a newer stream for this engine
                 responses = owed.responses(dispatches)
@@ -274,12 +308,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                         reader.result()  # surfaces a read error, if any
                     except Rejection as rejection:
                         # Everything before the refused message is acknowledged.
-                        await context.abort(rejection.code, rejection.message)
+                        await rejection.abort(context)
                     return  # the engine half-closed and everything is acknowledged
                 await ready.wait()
         finally:
             reader.cancel()
-            self.registry.unsubscribe(subscription)
+            self.registry.delivery.unsubscribe(subscription)
             log.info("engine disconnected", extra={"engine_id": hello.engine_id})
 
     async def _read_reports(
@@ -446,13 +480,11 @@ def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
     return f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
 
 
-def _trace_context(
-    context: grpc.aio.ServicerContext[Any, Any],
-) -> tuple[tuple[str, str], ...]:
+def _unexpected_hello() -> None:
+    raise InvalidArgument("a report must carry a fact or an outcome; hello comes once, first")
+
+
+def _trace_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
     """The caller's W3C trace context headers, if any, for the journal."""
     metadata = context.invocation_metadata() or ()
     return tuple((key, str(value)) for key, value in metadata if key in TRACE_CONTEXT)
-
-
-def _unexpected_hello() -> None:
-    raise InvalidArgument("a report must carry a fact or an outcome; hello comes once, first")
