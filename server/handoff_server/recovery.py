@@ -10,11 +10,14 @@ cleanup timers come back as they were; nothing is reconstructed by hand.
 While replaying, each engine named by a handoff has a stand-in stream that
 takes every action as it is issued: so every issued action counts as
 written, and is redelivered when the engine subscribes again (at least
-once, as after any reconnect). The stand-ins end when the replay does, so an
-engine that does not come back within the delivery timeout, counted from
-recovery, is declared unreachable as usual. The server's own facts
-(deadlines, unreachable engines, shutdown) were journaled when they
-happened and replay as records; the replay never decides anything itself.
+once, as after any reconnect). Each stand-in subscribes under its engine's
+last journaled incarnation, so an engine that comes back under it
+reconnects, and one under a newer incarnation restarted and is lost. The
+stand-ins end when the replay does, so an engine that does not come back
+within the delivery timeout, counted from recovery, is lost as usual. What
+the server decided on its own (a deadline, a lost engine, a settled cleanup,
+a shutdown's cancel, an abandonment) was journaled when it happened and
+replays as a record: the replay never decides anything itself.
 """
 
 from __future__ import annotations
@@ -227,7 +230,10 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
             records += 1
             clock.replaying(record.at)
             if record.body[0] == ABANDONED:
-                registry.abandon(record.handoff_id)
+                if isinstance(registry.handoffs.get(record.handoff_id), Entry):
+                    registry.abandon(record.handoff_id)
+                else:
+                    skipped += 1
                 continue
             call = decode(record.handoff_id, record.body)
             try:

@@ -595,9 +595,9 @@ class Registry:
             self.delivery.drop(entry.handoff_id, action_id, engines)
         self.delivery.disengage(entry.handoff_id, entry.engines)
         entry.abandoned_at = now
-        self.retention.keep(entry)
         if self.recorder is not None:
             self.recorder.abandoned(entry.handoff_id, now)
+        self.retention.keep(entry)
         self._finished(entry.handoff_id)
 
     def abandon(self, handoff_id: str) -> None:
