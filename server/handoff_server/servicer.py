@@ -8,9 +8,10 @@ no two calls interleave on one handoff.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -20,6 +21,7 @@ from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
 from handoff_server.delivery import Dispatch, Fenced, Subscription
+from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
 from handoff_server.registry import CallResult, Registry
@@ -41,6 +43,7 @@ MAX_OWED_BYTES = 256 * 1024
 # Built once: OutcomeKind.values() makes a new list on every call, and every
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
+TRACE_CONTEXT = ("traceparent", "tracestate")
 
 
 def _shown(handoff_id: str) -> str:
@@ -64,10 +67,34 @@ class Rejection(Exception):
         raise AssertionError("abort returns only by raising")
 
 
+async def _nothing_pending() -> None:
+    return None
+
+
 class Servicer(pb_grpc.HandoffCoordinatorServicer):
-    def __init__(self, registry: Registry, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: Metrics,
+        *,
+        durable: Callable[[], Awaitable[None]] = _nothing_pending,
+        subscription_headers: Sequence[tuple[str, str]] = (),
+        engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
+    ) -> None:
         self.registry = registry
         self.metrics = metrics
+        # Awaited before anything is written to the network: with a journal,
+        # nothing leaves before the commit that holds it (journal.py).
+        self._durable = durable
+        self.subscription_headers = tuple(subscription_headers)
+        self._engine_incarnation = engine_incarnation
+
+    async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Wait until every accepted call so far is durable; a broken journal ends the call."""
+        try:
+            await self._durable()
+        except JournalFailed as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
     def answer(self, rpc: str, subject: str | Callable[[], str], work: Callable[[], R]) -> R:
         """Run ``work``; turn any failure into a Rejection with a clear message.
@@ -102,7 +129,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subject = f"handoff {_shown(request.handoff_id)}"
 
         def work() -> pb.StartHandoffResponse:
-            result = self.registry.start(convert.start_request(request))
+            start = convert.start_request(request)
+            trace = _trace_context(context)
+            if trace:
+                start = dataclasses.replace(start, trace_context=trace)
+            result = self.registry.start(start)
             answer = Answer.of(result)
             return pb.StartHandoffResponse(
                 handoff=answer.handoff,
@@ -111,9 +142,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             )
 
         try:
-            return self.answer("StartHandoff", subject, work)
+            response = self.answer("StartHandoff", subject, work)
         except Rejection as rejection:
+            await self.durably(context)  # a refusal tells of state too (an id in use)
             await rejection.abort(context)
+        await self.durably(context)
+        return response
 
     async def ReportFact(
         self,
@@ -122,9 +156,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.ReportFactResponse:
         try:
             answer = Answer.of(self.report_fact(request, "ReportFact"))
-            return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
+            await self.durably(context)
             await rejection.abort(context)
+        await self.durably(context)
+        return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
 
     async def ReportOutcome(
         self,
@@ -133,9 +169,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.ReportOutcomeResponse:
         try:
             answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
-            return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
+            await self.durably(context)
             await rejection.abort(context)
+        await self.durably(context)
+        return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
 
     async def GetHandoff(
         self,
@@ -149,9 +187,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             return pb.GetHandoffResponse(handoff=convert.handoff(entry))
 
         try:
-            return self.answer("GetHandoff", subject, work)
+            response = self.answer("GetHandoff", subject, work)
         except Rejection as rejection:
+            await self.durably(context)
             await rejection.abort(context)
+        await self.durably(context)
+        return response
 
     def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> CallResult:
         def work() -> CallResult:
@@ -193,8 +234,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.subscription_headers)
             while (batch := await self._next_batch(subscription, ready)) is not None:
+                await self.durably(context)
                 for dispatch in batch:
                     yield convert.action(dispatch)
         finally:
@@ -204,12 +246,15 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     def _subscribe(
         self, engine_id: str, incarnation: str, session_id: str, on_ready: Callable[[], None]
     ) -> Subscription:
-        return self.registry.subscribe(
+        subscription = self.registry.subscribe(
             security.authorize_engine(convert.engine_id(engine_id)),
             on_ready,
             convert.incarnation(incarnation),
             convert.session_id(session_id),
         )
+        if incarnation:
+            self._engine_incarnation(subscription.engine_id, incarnation)
+        return subscription
 
     async def _next_batch(
         self, subscription: Subscription, ready: asyncio.Event
@@ -246,16 +291,17 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         )
         log.info("engine connected", extra={"engine_id": hello.engine_id})
         try:
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.subscription_headers)
             while True:
                 ready.clear()
                 dispatches = self.registry.delivery.take(subscription, STREAM_BATCH)
                 if dispatches is None:
                     return  # replaced by a newer stream for this engine
                 responses = owed.responses(dispatches)
-                for response in responses:
-                    yield response
                 if responses:
+                    await self.durably(context)
+                    for response in responses:
+                        yield response
                     continue
                 if reader.done():
                     try:
@@ -436,3 +482,9 @@ def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
 
 def _unexpected_hello() -> None:
     raise InvalidArgument("a report must carry a fact or an outcome; hello comes once, first")
+
+
+def _trace_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
+    """The caller's W3C trace context headers, if any, for the journal."""
+    metadata = context.invocation_metadata() or ()
+    return tuple((key, str(value)) for key, value in metadata if key in TRACE_CONTEXT)
