@@ -41,7 +41,7 @@ NOOP = Outcome(OutcomeKind.NOOP)
 NO_MODEL = TransferTiming(TimingMode.DESTINATION_MISSING, full_prompt_tokens=4)
 
 
-# What a handoff that succeeds records, in order (DESIGN.md section 1).
+# What a handoff that succeeds records, in order (docs/semantics.md).
 EXPECTED_LIFECYCLE: dict[Order, tuple[LifecycleEvent, ...]] = {
     Order.SOURCE_FIRST: (
         LifecycleEvent.SOURCE_HELD,

@@ -185,7 +185,7 @@ async def test_a_frontend_starts_reads_and_cancels_but_acts_for_no_engine(
 
 
 async def test_a_frontend_reports_a_lost_engine(callers: Callers) -> None:
-    """A router that learns a pod died says so (DESIGN.md, correction 7)."""
+    """A router that learns a pod died says so (docs/semantics.md, correction 7)."""
     frontend = callers.frontend
     async with asyncio.timeout(TIMEOUT_S):
         handoff_id = (await frontend.StartHandoff(start_request())).handoff.handoff_id

@@ -29,6 +29,9 @@ The service, on grpc.aio:
 - ``probes``: grpc.health.v1 on a budget of its own.
 - ``metrics`` and ``exposition``: the Prometheus metrics and their endpoint.
 - ``logs``: structured log lines (text or JSON) carrying handoff and engine ids.
+- ``journal``: accepted calls kept in SQLite, and the durability barrier the
+  servicer awaits before it writes; ``recovery``: what a journal record means,
+  and replaying a journal into a registry on start.
 - ``config``: the settings, each a flag and a HANDOFF_* variable.
 - ``app``: the running server: wiring, timers loop, drain on stop.
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -18,9 +19,11 @@ from handoff_server import security
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EngineStreams, Guard, grpc_options
+from handoff_server.journal import Journal, fresh_incarnation
 from handoff_server.metrics import Metrics
 from handoff_server.probes import HealthGate
 from handoff_server.quotas import Budget, Quotas
+from handoff_server.recovery import JournalRecorder, Recovery, ReplayClock, recover
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
 
@@ -43,9 +46,19 @@ class Server:
     def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
         self.settings = settings
         self.clock = clock if clock is not None else WallClock()
+        # With a journal, the registry's clock reads each record's time while
+        # the journal replays (recovery.py).
+        self._replay_clock = ReplayClock(self.clock) if settings.state_dir else None
         self.metrics = Metrics()
         self._timer_wakeup = asyncio.Event()
-        self.registry = Registry(settings, self.metrics, self.clock, self._timer_wakeup.set)
+        self.registry = Registry(
+            settings, self.metrics, self._replay_clock or self.clock, self._timer_wakeup.set
+        )
+        self.journal: Journal | None = None
+        self.recovery: Recovery | None = None
+        self.incarnation = 0  # the coordinator's, new at each start (see _open_journal)
+        # Set when the journal cannot be written: the process must stop (serve.py).
+        self.failed = asyncio.Event()
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -72,6 +85,67 @@ class Server:
         credentials = security.server_credentials(settings)
         tokens = security.load_tokens(settings)
         identities = security.load_identities(settings)
+        self._open_journal()
+        try:
+            await self._serve(credentials, tokens, identities)
+        except BaseException:
+            if self.journal is not None:
+                self.journal.close_now()
+            raise
+
+    def _open_journal(self) -> None:
+        """Recover from the state dir, if there is one; journal from now on."""
+        settings = self.settings
+        if self._replay_clock is None:
+            self.incarnation = fresh_incarnation()
+            log.info(
+                "no state dir: handoffs are kept in memory only and lost if this process dies "
+                "(--state-dir keeps them)"
+            )
+            return
+        journal = Journal.open(Path(settings.state_dir), settings.durability)
+        try:
+            self.recovery = recover(journal, self.registry, self._replay_clock)
+        except BaseException:
+            journal.close_now()
+            raise
+        self.journal = journal
+        self.incarnation = journal.incarnation
+        self.registry.recorder = JournalRecorder(journal)
+        journal.on_failure = lambda error: self.failed.set()
+        journal.start_writer()
+        log.info(
+            "journal at %s (durability %s), coordinator incarnation %d",
+            settings.state_dir,
+            settings.durability,
+            self.incarnation,
+        )
+
+    def _servicer(self) -> Servicer:
+        recovered = self.recovery is not None and self.recovery.total > 0
+        headers = (
+            ("handoff-coordinator-incarnation", str(self.incarnation)),
+            ("handoff-recovered", "true" if recovered else "false"),
+            ("handoff-delivery-timeout-ms", str(round(self.settings.delivery_timeout_s * 1000))),
+        )
+        journal = self.journal
+        if journal is None:
+            return Servicer(self.registry, self.metrics, subscription_headers=headers)
+        return Servicer(
+            self.registry,
+            self.metrics,
+            durable=journal.durable,
+            subscription_headers=headers,
+            engine_incarnation=journal.engine,
+        )
+
+    async def _serve(
+        self,
+        credentials: grpc.ServerCredentials | None,
+        tokens: security.TokenSet | None,
+        identities: security.EngineIdentities | None,
+    ) -> None:
+        settings = self.settings
         guard = Guard(
             metrics=self.metrics,
             streams=self.engine_streams,
@@ -90,9 +164,7 @@ class Server:
             # call whose request never arrives), above both their limits.
             maximum_concurrent_rpcs=2 * (settings.max_concurrent_rpcs + self._health_calls()),
         )
-        pb_grpc.add_HandoffCoordinatorServicer_to_server(
-            Servicer(self.registry, self.metrics), server
-        )
+        pb_grpc.add_HandoffCoordinatorServicer_to_server(self._servicer(), server)
         server.add_generic_rpc_handlers((self._health_gate().handler(),))
         reflection.enable_server_reflection(
             (
@@ -257,4 +329,6 @@ class Server:
             await self._health_grpc.stop(grace=None)
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.stop()
+        if self.journal is not None:
+            await self.journal.close()
         log.info("stopped")

@@ -28,6 +28,8 @@ class StartRequest:
     fallback_transfer_delay_ms: float
     transfer_executor: Role = Role.SOURCE
     timeout_s: float | None = None
+    # The caller's W3C trace context (traceparent, tracestate), kept in the journal.
+    trace_context: tuple[tuple[str, str], ...] = ()
 
 
 Routed = tuple[float, ActionKind, tuple[str, ...]]  # issued at, kind, engines it went to

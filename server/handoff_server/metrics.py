@@ -100,6 +100,16 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.recovered_handoffs = Gauge(
+            "handoff_recovered_handoffs",
+            "Handoffs this server recovered from its journal at start (0 without one).",
+            registry=r,
+        )
+        self.recovery_seconds = Gauge(
+            "handoff_recovery_seconds",
+            "How long this server's start spent replaying its journal.",
+            registry=r,
+        )
         # Label children resolved once: .labels() costs a lock and a dict
         # lookup on every call, and these run on every handoff.
         self.completed_by = {c: self.completed.labels(c.value) for c in Completion}

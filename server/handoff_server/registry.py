@@ -30,6 +30,7 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from handoff_server.config import Settings
 from handoff_server.core import Handoff
@@ -81,6 +82,21 @@ ROLE_OF_SIDE = {side: role for role, side in SIDE_OF.items()}
 NOOP = Outcome(OutcomeKind.NOOP)
 
 
+# What one accepted call changed, as the journal keeps it (recovery.py).
+Recorded = StartRequest | Fact | tuple[int, Outcome]
+
+
+class Recorder(Protocol):
+    """Where accepted calls go to be made durable: recovery.JournalRecorder."""
+
+    def record(self, handoff_id: str, at: float, call: Recorded) -> None: ...
+
+    def abandoned(self, handoff_id: str, at: float) -> None: ...
+
+    def drop(self, handoff_id: str) -> None:
+        """The handoff left the registry (its retention expired, or it was evicted)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CallResult:
     entry: Entry | Retained
@@ -116,6 +132,8 @@ class Registry:
         self._following_up = False
         self._epochs = itertools.count(1)
         self.draining = False
+        self.recorder: Recorder | None = None
+        self.retention.on_forget = self._forgotten
 
     # --- queries ------------------------------------------------------------
 
@@ -190,11 +208,11 @@ class Registry:
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, TimerKind.DEADLINE, request.handoff_id, entry.deadline)
         self._engage(entry, now)
-        return CallResult(entry, self._call(entry, Handoff.start))
+        return CallResult(entry, self._call(entry, request, Handoff.start, now=now))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
         entry = self._unpacked(handoff_id)
-        dispatches = self._call(entry, lambda core: core.apply_fact(fact))
+        dispatches = self._call(entry, fact, lambda core: core.apply_fact(fact))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], origin)].inc()
         if isinstance(fact, EngineLost):
             self._forsake(entry, ROLE_OF_SIDE[fact.role])
@@ -205,6 +223,7 @@ class Registry:
         acknowledging = entry.core.is_outstanding(action_id)
         dispatches = self._call(
             entry,
+            (action_id, outcome),
             lambda core: core.apply_outcome(action_id, outcome),
             acknowledged=(action_id, outcome) if acknowledging else None,
         )
@@ -312,8 +331,10 @@ class Registry:
     def _call(
         self,
         entry: Entry,
+        recorded: Recorded,
         call: Callable[[Handoff], tuple[Action, ...]],
         acknowledged: tuple[int, Outcome] | None = None,
+        now: float | None = None,
     ) -> tuple[Dispatch, ...]:
         core = entry.core
         checkpoint = core.checkpoint()
@@ -331,7 +352,12 @@ class Registry:
             raise Internal(
                 f"unexpected {type(error).__name__}; the handoff is unchanged"
             ) from error
-        now = self.clock()
+        if now is None:
+            now = self.clock()
+        # Recorded before anything the call sets off (an eviction, the
+        # follow-ups), so the journal keeps the order it happened in.
+        if self.recorder is not None:
+            self.recorder.record(entry.handoff_id, now, recorded)
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         self._stamp_lifecycle(entry, events_before, now)
@@ -412,6 +438,7 @@ class Registry:
                 )
                 self._call(
                     settled,
+                    (action_id, NOOP),
                     lambda core: core.apply_outcome(action_id, NOOP),
                     acknowledged=(action_id, NOOP),
                 )
@@ -467,7 +494,7 @@ class Registry:
 
     def _server_fact(self, entry: Entry, fact: Fact) -> None:
         """A fact the server observed itself: a deadline, a lost engine, shutdown."""
-        self._call(entry, lambda core: core.apply_fact(fact))
+        self._call(entry, fact, lambda core: core.apply_fact(fact))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], "server")].inc()
         if isinstance(fact, EngineLost):
             self._forsake(entry, ROLE_OF_SIDE[fact.role])
@@ -568,8 +595,21 @@ class Registry:
             self.delivery.drop(entry.handoff_id, action_id, engines)
         self.delivery.disengage(entry.handoff_id, entry.engines)
         entry.abandoned_at = now
+        if self.recorder is not None:
+            self.recorder.abandoned(entry.handoff_id, now)
         self.retention.keep(entry)
         self._finished(entry.handoff_id)
+
+    def abandon(self, handoff_id: str) -> None:
+        """Abandon a handoff still cleaning up now, as its cleanup timer would
+        (recovery replays an abandonment with it)."""
+        entry = self.handoffs[handoff_id]
+        assert isinstance(entry, Entry), "only a handoff still cleaning up is abandoned"
+        self._abandon(entry, self.clock())
+
+    def _forgotten(self, handoff_id: str) -> None:
+        if self.recorder is not None:
+            self.recorder.drop(handoff_id)
 
     def _drop_routed(self, entry: Entry) -> None:
         for action_id, (_, _, engines) in entry.routed.items():

@@ -35,6 +35,7 @@ class Retention:
         # skipped once it reaches the front), so leaving costs nothing.
         self._records: deque[Entry | Retained] = deque()
         self.count = 0
+        self.on_forget: Callable[[str], None] = lambda handoff_id: None  # the journal's drop
 
     def keep(self, record: Entry | Retained) -> None:
         self._handoffs[record.handoff_id] = record
@@ -82,3 +83,4 @@ class Retention:
         self.count -= 1
         if isinstance(oldest, Retained):
             self.metrics.handoffs_by[Phase.COMPLETE].dec()
+        self.on_forget(oldest.handoff_id)
