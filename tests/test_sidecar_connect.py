@@ -70,7 +70,7 @@ async def refusals(
     exception's class and details, with the handoff ids made neutral."""
     transport = make_transport(client, kind)
     subscribed = asyncio.Event()
-    actions = transport.subscribe(SOURCE, subscribed.set)
+    actions = transport.subscribe(SOURCE, subscribed.set, incarnation="", session_id="")
     first = asyncio.create_task(anext(actions))
     try:
         await subscribed.wait()
@@ -136,7 +136,9 @@ async def test_an_ack_behind_more_actions_than_the_buffer_holds_still_arrives(
     transport = ConnectTransport(client)
     subscribed = asyncio.Event()
     async with (
-        contextlib.aclosing(transport.subscribe(SOURCE, subscribed.set)) as actions,
+        contextlib.aclosing(
+            transport.subscribe(SOURCE, subscribed.set, incarnation="", session_id="")
+        ) as actions,
         asyncio.timeout(TIMEOUT_S),
     ):
         first = asyncio.create_task(anext(actions))  # the stream opens when read

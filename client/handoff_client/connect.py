@@ -73,9 +73,21 @@ class ConnectTransport:
         self._last_request_id = 0
 
     def subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> AsyncGenerator[Action, None]:
-        return self._subscribe(engine_id, on_subscribed)
+        hello = pb.ConnectHello(
+            engine_id=engine_id,
+            batch=True,
+            lean_acks=True,
+            incarnation=incarnation,
+            session_id=session_id,
+        )
+        return self._subscribe(hello, on_subscribed)
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
@@ -96,9 +108,9 @@ class ConnectTransport:
     # --- the stream ------------------------------------------------------------
 
     async def _subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self, hello: pb.ConnectHello, on_subscribed: Callable[[], None]
     ) -> AsyncGenerator[Action, None]:
-        stream = _Stream(self._client, engine_id)
+        stream = _Stream(self._client, hello)
         try:
             try:
                 await stream.call.initial_metadata()
@@ -160,8 +172,8 @@ class ConnectTransport:
 class _Stream:
     """One Connect call: the requests to write, a reader, the reports awaiting acks."""
 
-    def __init__(self, client: HandoffClient, engine_id: str) -> None:
-        self._hello = pb.ConnectHello(engine_id=engine_id, batch=True, lean_acks=True)
+    def __init__(self, client: HandoffClient, hello: pb.ConnectHello) -> None:
+        self._hello = hello
         self._requests: asyncio.Queue[pb.ConnectReport] = asyncio.Queue()
         self.call = client._open_connect(self._outgoing())
         self.pending: dict[int, asyncio.Future[None]] = {}
@@ -224,7 +236,7 @@ class _Stream:
                 raise  # close(): this reader itself is being cancelled
             # The call was cancelled under it (its channel closed): a failure.
             self.failure = CallCancelledError("the Connect call was cancelled")
-        except Exception as error:  # e.g. an action this SDK cannot read: the sidecar logs it
+        except Exception as error:  # a transport bug: the sidecar logs it and reconnects
             self.failure = error
         finally:
             self._end()
