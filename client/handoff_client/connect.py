@@ -174,7 +174,8 @@ class _Stream:
 
     def __init__(self, client: HandoffClient, hello: pb.ConnectHello) -> None:
         self._hello = hello
-        self._requests: asyncio.Queue[pb.ConnectReport] = asyncio.Queue()
+        # None ends the requests: the stream is closing.
+        self._requests: asyncio.Queue[pb.ConnectReport | None] = asyncio.Queue()
         self.call = client._open_connect(self._outgoing())
         self.pending: dict[int, asyncio.Future[None]] = {}
         self.actions: deque[Action] = deque()
@@ -187,11 +188,15 @@ class _Stream:
     async def _outgoing(self) -> AsyncIterator[pb.ConnectRequest]:
         yield pb.ConnectRequest(hello=self._hello)
         requests = self._requests
-        while True:
+        while (report := await requests.get()) is not None:
             message = pb.ConnectRequest()
-            message.reports.append(await requests.get())
+            message.reports.append(report)
             while not requests.empty() and len(message.reports) < MAX_REPORTS_PER_MESSAGE:
-                message.reports.append(requests.get_nowait())
+                report = requests.get_nowait()
+                if report is None:
+                    yield message
+                    return
+                message.reports.append(report)
             yield message
 
     def start_reading(self) -> None:
@@ -261,6 +266,12 @@ class _Stream:
         self.arrived.set()
 
     async def close(self) -> None:
+        # End the requests first, and let gRPC's writer see it: a call
+        # cancelled while its writer waits inside _outgoing leaves that
+        # generator running in a task that is then destroyed, and Python
+        # reports "aclose(): asynchronous generator is already running".
+        self._requests.put_nowait(None)
+        await asyncio.sleep(0)
         self.call.cancel()
         if self._reader is not None:
             self._reader.cancel()

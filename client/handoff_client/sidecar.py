@@ -611,7 +611,7 @@ class EngineSidecar:
         self._unimplemented += 1
         name = HANDLER_NAMES[action.kind]
         log.error(
-            "engine %s has no %s handler (a %s-only engine sent the other side's work?)",
+            "engine %s has no %s handler (a %s-only engine given the other side's work?)",
             self.engine_id,
             name,
             "decode" if action.target is Role.SOURCE else "prefill",
