@@ -159,7 +159,7 @@ class Scripted(pb_grpc.HandoffCoordinatorServicer):
         self.outcomes.put_nowait(request)
         self.outcome_arrived.set()
 
-    async def StreamActions(  # type: ignore[override]
+    async def StreamActions(
         self, request: pb.StreamActionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.Action]:
         hello = (request.engine_id, request.incarnation, request.session_id)
@@ -171,7 +171,7 @@ class Scripted(pb_grpc.HandoffCoordinatorServicer):
         if not script.end_after_outcome:
             await asyncio.Event().wait()
 
-    async def Connect(  # type: ignore[override]
+    async def Connect(
         self,
         request_iterator: AsyncIterator[pb.ConnectRequest],
         context: grpc.aio.ServicerContext[Any, Any],
@@ -191,13 +191,23 @@ class Scripted(pb_grpc.HandoffCoordinatorServicer):
             if script.end_after_outcome and self.outcome_arrived.is_set():
                 return
 
-    async def ReportOutcome(  # type: ignore[override]
+    async def ReportOutcome(
         self, request: pb.ReportOutcomeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReportOutcomeResponse:
         self._outcome(request)
         return pb.ReportOutcomeResponse()
 
-    async def StartHandoff(  # type: ignore[override]
+    async def ReportFact(
+        self, request: pb.ReportFactRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportFactResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def GetHandoff(
+        self, request: pb.GetHandoffRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetHandoffResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def StartHandoff(
         self, request: pb.StartHandoffRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StartHandoffResponse:
         return await self.starts.pop(0)()
@@ -216,7 +226,7 @@ async def scripted() -> AsyncIterator[tuple[Scripted, int]]:
         await server.stop(None)
 
 
-def wire_action(kind: int, action_id: int) -> pb.Action:
+def wire_action(kind: pb.ActionKind.ValueType, action_id: int) -> pb.Action:
     return pb.Action(
         handoff_id="h", id=action_id, kind=kind, target=pb.ROLE_SOURCE, attempt=1, engine_id=SOURCE
     )
@@ -226,7 +236,7 @@ async def test_an_unknown_action_kind_from_a_newer_server_is_skipped(
     scripted: tuple[Scripted, int], kind: TransportKind
 ) -> None:
     servicer, port = scripted
-    newer = wire_action(99, 0)  # no ActionKind has this number
+    newer = wire_action(pb.ActionKind.ValueType(99), 0)  # no ActionKind has this number
     servicer.scripts.append(Script([newer, wire_action(pb.ACTION_KIND_SUBMIT_PREFILL, 1)]))
     prefill = ScriptedEngine()
     prefill.overrides[ActionKind.SUBMIT_PREFILL] = lambda action, facts: asyncio.sleep(0, SUBMITTED)
