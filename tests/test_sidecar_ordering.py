@@ -19,6 +19,8 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from handoff_client import (
     ACCEPTED,
@@ -491,3 +493,78 @@ async def test_the_subscription_names_incarnation_and_session(transport: Scripte
         async with asyncio.timeout(TIMEOUT_S):
             await car.wait_subscribed()
     assert transport.subscriptions == [("1764547200000-abc", car.session_id)]
+
+
+# --- any order, any interleaving --------------------------------------------------
+
+# One handoff's deliveries to an engine that is both its source and its
+# destination: each acquiring action, each cancel (either may come twice),
+# and the COMPLETE notice of a canceled handoff.
+DELIVERIES = (
+    (0, ActionKind.SUBMIT_PREFILL),
+    (1, ActionKind.RESERVE_DESTINATION),
+    (2, ActionKind.ACTIVATE_DESTINATION),
+    (3, ActionKind.CANCEL_SOURCE),
+    (4, ActionKind.CANCEL_DESTINATION),
+    (5, ActionKind.COMPLETE),
+)
+
+
+class SlowCountingEngine(CountingEngine):
+    """Acquiring handlers take a drawn number of loop turns, so cancels land mid-way."""
+
+    def __init__(self, turns: list[int]) -> None:
+        super().__init__()
+        self._turns = turns
+
+    async def _acquire(self, action: Action, role: Role, outcome: Outcome) -> Outcome:
+        self.calls.append(action)
+        side = (action.handoff_id, role)
+        self.acquiring[side] += 1
+        try:
+            for _ in range(self._turns.pop() if self._turns else 0):
+                await asyncio.sleep(0)
+            if side in self.freed:
+                self.acquired_after_free += 1
+            self.held[side] += self.BLOCKS
+        finally:
+            self.acquiring[side] -= 1
+        return outcome
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> tuple[list[tuple[str, int, ActionKind]], list[int], list[int]]:
+    """Deliveries of three handoffs in any order (some twice), with pauses and handler lengths."""
+    deliveries = [(f"h{n}", action_id, kind) for n in range(3) for action_id, kind in DELIVERIES]
+    deliveries += draw(st.lists(st.sampled_from(deliveries), max_size=6))  # redeliveries
+    order = draw(st.permutations(deliveries))
+    pauses = draw(st.lists(st.integers(0, 3), min_size=len(order), max_size=len(order)))
+    turns = draw(st.lists(st.integers(0, 4), max_size=len(order)))
+    return list(order), pauses, turns
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_no_order_of_deliveries_leaks_or_frees_twice(
+    schedule: tuple[list[tuple[str, int, ActionKind]], list[int], list[int]],
+) -> None:
+    deliveries, pauses, turns = schedule
+
+    async def run() -> SlowCountingEngine:
+        transport, engine = ScriptedTransport(), SlowCountingEngine(turns)
+        car = sidecar(transport, engine)
+        async with car, asyncio.timeout(TIMEOUT_S):
+            for (handoff_id, action_id, kind), pause in zip(deliveries, pauses, strict=True):
+                completion = Completion.CANCELED if kind is ActionKind.COMPLETE else None
+                transport.deliver(act(handoff_id, action_id, kind, completion=completion))
+                for _ in range(pause):
+                    await asyncio.sleep(0)
+            while transport.actions.qsize() or car._tasks:
+                await asyncio.sleep(0)
+                await idle(car)
+        return engine
+
+    engine = asyncio.run(run())
+    assert engine.blocks == 0, engine.held
+    assert engine.double_frees == 0
+    assert engine.acquired_after_free == 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from handoff_client.model import Role
 
@@ -27,10 +27,17 @@ class Side:
     closed: bool = False  # a cancel or release was taken, or the handoff completed
     activated: bool = False  # ActivateDestination was APPLIED: the decode owns the request
     running: int = 0  # acquiring handlers running now
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # Made only when someone waits: most sides are never waited for, and a
+    # ledger keeps tens of thousands of them.
+    _idle: asyncio.Event | None = None
+    _freeing: asyncio.Lock | None = None
 
-    def __post_init__(self) -> None:
-        self.idle.set()
+    def freeing(self) -> asyncio.Lock:
+        """Held while a cleanup of this side runs: two never overlap (a cancel
+        the server sent and one the sidecar runs on a COMPLETE notice)."""
+        if self._freeing is None:
+            self._freeing = asyncio.Lock()
+        return self._freeing
 
     @property
     def holds(self) -> bool:
@@ -40,12 +47,19 @@ class Side:
     def enter(self) -> None:
         self.acquired = True
         self.running += 1
-        self.idle.clear()
 
     def leave(self) -> None:
         self.running -= 1
-        if not self.running:
-            self.idle.set()
+        if not self.running and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    async def wait_idle(self) -> None:
+        """Until no acquiring handler of this side runs."""
+        if self.running:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
 
 
 class Ledger:

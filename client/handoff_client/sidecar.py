@@ -535,11 +535,15 @@ class EngineSidecar:
                     self._running.discard(key)
                     self._answer_closed(action)
                     return
-                side.enter()
+                # An engine without the handler takes nothing: nothing to free later.
+                implemented = action.kind in self._handlers
+                if implemented:
+                    side.enter()
                 try:
                     outcome = await self._run_handler(action)
                 finally:
-                    side.leave()
+                    if implemented:
+                        side.leave()
             assert outcome is not None  # only a cleanup's failure has no outcome
             if (
                 action.kind is ActionKind.ACTIVATE_DESTINATION
@@ -560,8 +564,8 @@ class EngineSidecar:
         try:
             # Outside any slot: waiting for a stuck handler must not hold
             # capacity that other handoffs' cleanups need.
-            await side.idle.wait()
-            async with self._cleanup_slots:
+            await side.wait_idle()
+            async with side.freeing(), self._cleanup_slots:
                 if self._stopping:
                     return
                 outcome = await self._run_handler(action)
@@ -637,7 +641,7 @@ class EngineSidecar:
 
     async def _complete(self, action: Action, sides: list[tuple[Role, Side]]) -> None:
         for role, side in sides:
-            await side.idle.wait()
+            await side.wait_idle()
             # The decode owns an activated request; only a reopened handoff's
             # CancelDestination stops it, never a notice.
             keep = role is Role.DESTINATION and (
@@ -645,7 +649,7 @@ class EngineSidecar:
             )
             if side.acquired and not keep:
                 self._freed += 1
-                await self._free(action, role, "the handoff completed while it still held")
+                await self._free(action, role, side, "the handoff completed while it still held")
         async with self._cleanup_slots:
             try:
                 await self._engine.complete(action)
@@ -653,7 +657,7 @@ class EngineSidecar:
                 self._handler_errors += 1
                 log.exception("COMPLETE handler raised", extra=self._log_extra(action))
 
-    async def _free(self, cause: Action, role: Role, why: str) -> None:
+    async def _free(self, cause: Action, role: Role, side: Side, why: str) -> None:
         """Run the engine's cancel for ``role`` on its own; nothing is reported."""
         kind = CANCEL_OF[role]
         cancel = Action(
@@ -665,7 +669,7 @@ class EngineSidecar:
             attempt=0,
         )
         log.info("%s: running %s", why, kind.name, extra=self._log_extra(cancel))
-        async with self._cleanup_slots:
+        async with side.freeing(), self._cleanup_slots:
             await self._run_handler(cancel)
 
     async def _free_everything(self) -> None:
@@ -679,8 +683,8 @@ class EngineSidecar:
         await asyncio.gather(*frees)
 
     async def _free_when_idle(self, cause: Action, role: Role, side: Side) -> None:
-        await side.idle.wait()
-        await self._free(cause, role, "replaced by a newer incarnation")
+        await side.wait_idle()
+        await self._free(cause, role, side, "replaced by a newer incarnation")
 
     # --- reports ------------------------------------------------------------------
 
