@@ -204,7 +204,14 @@ class DestinationEngine(Protocol):
 
 
 class Engine(SourceEngine, DestinationEngine, Protocol):
-    """Both sides, plus the transfer (run by the handoff's ``transfer_executor``)."""
+    """Both sides, plus the transfer (run by the handoff's ``transfer_executor``).
+
+    The sidecar names the engine's memory with an incarnation: let it make
+    one when it lives and dies with the engine; pass the engine's own
+    (``EngineSidecar(..., incarnation=...)``, made once at the engine's start)
+    when it runs beside an engine that outlives it. A new incarnation tells
+    the server that everything the old one held is gone.
+    """
 
     async def start_transfer(self, action: Action, facts: Facts) -> Outcome:
         """Start moving the KV (``action.delay_ms`` long); SCHEDULED, then TransferCompleted.
