@@ -3,13 +3,24 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The SDK alone, from the wheel, on the oldest grpcio and protobuf that
+# pyproject.toml admits (tests/test_packaging.py keeps the three in step).
+SDK_GRPCIO := 1.49.1
+SDK_PROTOBUF := 4.21.6
+SDK_VENV := $(VENV)/sdk-oldest
+SDK_STAMP := $(SDK_VENV)/.installed
+WHEELS := build/wheels
+# Other Pythons the package is tested on: the machine's own, or pyenv's.
+PYTHON312 := $(firstword $(wildcard /usr/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
+PYTHON313 := $(firstword $(wildcard /usr/bin/python3.13 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 
-.PHONY: install test lint demo bench stubs clean
+.PHONY: install test test-sdk test-pythons wheel lint demo bench stubs clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m handoff_server.stubs --toolchain >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,6 +33,48 @@ lint: $(STAMP)
 # pytest exits 5 when it collected nothing; that is a failure here, not a pass.
 test: lint
 	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
+	$(MAKE) test-sdk test-pythons
+
+$(SDK_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv --clear $(SDK_VENV)
+	$(SDK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --only-binary=:all: \
+		grpcio==$(SDK_GRPCIO) protobuf==$(SDK_PROTOBUF) \
+		'pytest==9.*' pytest-asyncio==1.5.0 'pytest-timeout==2.*'
+	touch $(SDK_STAMP)
+
+# The SDK as an engine's image gets it: `pip wheel .`, installed without the
+# server extra at the oldest grpcio/protobuf, its tests (tests/sdk) against a
+# coordinator run from .venv as a separate process.
+test-sdk: wheel $(SDK_STAMP)
+	$(SDK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		--force-reinstall $(WHEELS)/handoff-*.whl
+	$(SDK_VENV)/bin/python -m pip check
+	HANDOFF_SDK_ONLY=1 HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
+		$(SDK_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/sdk tests/sdk
+
+# The same tests on Python 3.12 and 3.13, the coordinator too, on the
+# versions the server extra pins.
+test-pythons: wheel
+	@test -n "$(PYTHON312)" -a -n "$(PYTHON313)" || \
+		echo "test-pythons: Python 3.12 or 3.13 not found; tested: $(PYTHON312) $(PYTHON313)" >&2
+	set -e; for python in $(PYTHON312) $(PYTHON313); do \
+		venv=$(VENV)/py$$($$python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+		if [ ! -f $$venv/.installed ] || [ pyproject.toml -nt $$venv/.installed ]; then \
+			$$python -m venv --clear $$venv; \
+			$$venv/bin/python -m pip install --quiet --disable-pip-version-check \
+				"$$(echo $(WHEELS)/handoff-*.whl)[server]" \
+				'pytest==9.*' pytest-asyncio==1.5.0 'pytest-timeout==2.*'; \
+			touch $$venv/.installed; \
+		fi; \
+		$$venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+			--force-reinstall $(WHEELS)/handoff-*.whl; \
+		HANDOFF_COORDINATOR="$(abspath $$venv)/bin/handoff" \
+			$$venv/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/sdk tests/sdk; \
+	done
+
+wheel: $(STAMP)
+	rm -rf $(WHEELS)
+	$(BIN)/python -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir $(WHEELS) .
 
 # A real coordinator on a free local port and simulated engines against it,
 # with every fault on; under a minute, ending with a summary (leaked: 0).
@@ -32,6 +85,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.service
 
+# Regenerate client/handoff/v1 with the pinned generator (handoff_server/stubs.py).
 stubs: $(STAMP)
 	$(BIN)/python -m handoff_server.stubs --write
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from typing import TypeAlias
 
 import grpc
 
@@ -300,3 +302,63 @@ async def call_connect(
     if ack.code != 0:
         return False, CODE_NAMES[ack.code], ack.message, ()
     return True, None, "", tuple(core_action(a) for a in ack.actions)
+
+
+# --- raw gRPC messages and calls shared by the service tests ---------------------
+
+SUBMITTED = pb.Outcome(kind=pb.OUTCOME_KIND_SUBMITTED)
+ACCEPTED = pb.Outcome(kind=pb.OUTCOME_KIND_ACCEPTED)
+SCHEDULED = pb.Outcome(kind=pb.OUTCOME_KIND_SCHEDULED)
+APPLIED = pb.Outcome(kind=pb.OUTCOME_KIND_APPLIED)
+HELD = pb.Fact(
+    source_held=pb.SourceHeld(
+        transfer_timing=pb.TransferTiming(
+            mode=pb.TRANSFER_TIMING_MODE_FULL_PROMPT,
+            full_prompt_tokens=1000,
+            kv_bytes_per_token=1000,
+            bandwidth_gb_s=1.0,
+        )
+    )
+)
+RESERVED = pb.Fact(destination_reserved=pb.DestinationReserved(transferable_prompt_tokens=1000))
+TRANSFERRED = pb.Fact(transfer_completed=pb.TransferCompleted())
+CANCELED = pb.Fact(canceled=pb.Canceled(reason="client went away"))
+
+# Only the stubs' .pyi knows the async stub type.
+Stub: TypeAlias = "pb_grpc.HandoffCoordinatorAsyncStub"
+
+
+def start_request(handoff_id: str | None = None, /, **fields: object) -> pb.StartHandoffRequest:
+    values: dict[str, object] = {
+        "handoff_id": handoff_id or str(uuid.uuid4()),
+        "engine_type": pb.ENGINE_TYPE_VLLM,
+        "source_engine_id": SOURCE,
+        "destination_engine_id": DESTINATION,
+        "fallback_transfer_delay_ms": 5.0,
+    }
+    values.update(fields)
+    return pb.StartHandoffRequest(**values)  # type: ignore[arg-type]
+
+
+async def fact(stub: Stub, handoff_id: str, message: pb.Fact) -> pb.ReportFactResponse:
+    return await stub.ReportFact(pb.ReportFactRequest(handoff_id=handoff_id, fact=message))
+
+
+async def outcome(
+    stub: Stub, handoff_id: str, action_id: int, message: pb.Outcome
+) -> pb.ReportOutcomeResponse:
+    return await stub.ReportOutcome(
+        pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=action_id, outcome=message)
+    )
+
+
+async def succeed(stub: Stub, handoff_id: str) -> None:
+    await outcome(stub, handoff_id, 0, SUBMITTED)
+    await fact(stub, handoff_id, HELD)
+    await outcome(stub, handoff_id, 1, ACCEPTED)
+    await fact(stub, handoff_id, RESERVED)
+    await outcome(stub, handoff_id, 2, SCHEDULED)
+    await fact(stub, handoff_id, TRANSFERRED)
+    await outcome(stub, handoff_id, 3, APPLIED)
+    response = await outcome(stub, handoff_id, 4, APPLIED)
+    assert response.handoff.completion == pb.COMPLETION_SUCCESS

@@ -12,8 +12,7 @@ import pytest
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
-from tests.grpc_support import SOURCE, ConnectEngine
-from tests.test_service import APPLIED, HELD, SUBMITTED, Stub, start_request
+from tests.grpc_support import APPLIED, HELD, SOURCE, SUBMITTED, ConnectEngine, Stub, start_request
 
 
 @pytest.fixture

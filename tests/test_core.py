@@ -9,7 +9,6 @@ import pytest
 from handoff_server.core import Handoff
 from handoff_server.model import (
     EXPECTED_LIFECYCLE,
-    Action,
     ActionKind,
     Canceled,
     Completion,
@@ -28,55 +27,20 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-
-HANDOFF_ID = "00000000-0000-4000-8000-000000000001"
-SUBMITTED = Outcome(OutcomeKind.SUBMITTED)
-ACCEPTED = Outcome(OutcomeKind.ACCEPTED)
-SCHEDULED = Outcome(OutcomeKind.SCHEDULED)
-APPLIED = Outcome(OutcomeKind.APPLIED)
-NOOP = Outcome(OutcomeKind.NOOP)
-NO_MODEL = TransferTiming(TimingMode.DESTINATION_MISSING, full_prompt_tokens=4)
-
-
-def kinds(actions: tuple[Action, ...]) -> list[ActionKind]:
-    return [a.kind for a in actions]
-
-
-def only(actions: tuple[Action, ...]) -> Action:
-    assert len(actions) == 1, actions
-    return actions[0]
-
-
-def held_and_reserved(order: Order, timing: TransferTiming = NO_MODEL, tokens: int = 4) -> Handoff:
-    """A handoff up to (not including) the fact that schedules the transfer."""
-    handoff = Handoff(HANDOFF_ID, order, fallback_transfer_delay_ms=7.5)
-    first = only(handoff.start())
-    if order is Order.SOURCE_FIRST:
-        handoff.apply_outcome(first.id, SUBMITTED)
-        reserve = only(handoff.apply_fact(SourceHeld(timing)))
-        handoff.apply_outcome(reserve.id, ACCEPTED)
-    else:
-        handoff.apply_outcome(first.id, ACCEPTED)
-        submit = only(handoff.apply_fact(DestinationReserved(tokens)))
-        handoff.apply_outcome(submit.id, SUBMITTED)
-    return handoff
-
-
-def schedule_transfer(handoff: Handoff, timing: TransferTiming = NO_MODEL) -> Action:
-    if handoff.order is Order.SOURCE_FIRST:
-        return only(handoff.apply_fact(DestinationReserved(4)))
-    return only(handoff.apply_fact(SourceHeld(timing)))
-
-
-def completed(order: Order) -> Handoff:
-    handoff = held_and_reserved(order)
-    transfer = schedule_transfer(handoff)
-    handoff.apply_outcome(transfer.id, SCHEDULED)
-    activate = only(handoff.apply_fact(TransferCompleted()))
-    release = only(handoff.apply_outcome(activate.id, APPLIED))
-    complete = only(handoff.apply_outcome(release.id, APPLIED))
-    assert complete.kind is ActionKind.COMPLETE
-    return handoff
+from tests.core_support import (
+    ACCEPTED,
+    APPLIED,
+    HANDOFF_ID,
+    NO_MODEL,
+    NOOP,
+    SCHEDULED,
+    SUBMITTED,
+    completed,
+    held_and_reserved,
+    kinds,
+    only,
+    schedule_transfer,
+)
 
 
 @pytest.mark.parametrize("order", list(Order))

@@ -31,9 +31,8 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
+from tests.core_support import APPLIED, HandoffMachine, completed, held_and_reserved, only
 from tests.support import all_vectors
-from tests.test_core import APPLIED, completed, held_and_reserved, only
-from tests.test_core_properties import HandoffMachine
 
 Observed = tuple[Action, ...] | tuple[str, str]
 

@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.config import Settings
+from tests.deploy_support import DOCKERFILE, ROOT, tool
 from tests.security_support import make_pki
-from tests.test_deploy_support import DOCKERFILE, ROOT, tool
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name
 
@@ -216,12 +216,12 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
     context, wheels, venv = tmp_path / "context", tmp_path / "wheels", tmp_path / "venv"
     build_context(context)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    # Build stage: RUN pip wheel --wheel-dir /wheels .
+    # Build stage: RUN pip wheel --wheel-dir /wheels ".[server]"
     subprocess.run(
-        [*pip, "wheel", "--wheel-dir", str(wheels), str(context)], check=True, timeout=180
+        [*pip, "wheel", "--wheel-dir", str(wheels), f"{context}[server]"], check=True, timeout=180
     )
-    (wheel,) = wheels.glob("handoff-*.whl")
-    # Final stage: python -m venv; pip install --no-index --find-links=/wheels handoff-*.whl
+    assert len(list(wheels.glob("handoff-*.whl"))) == 1
+    # Final stage: python -m venv; pip install --no-index --find-links=/wheels "handoff[server]"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run(
@@ -233,7 +233,7 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
             "--no-index",
             "--find-links",
             str(wheels),
-            str(wheel),
+            "handoff[server]",
         ],
         check=True,
         timeout=180,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_deploy_support import DASHBOARD, dashboard, dashboard_queries, panels
+from tests.deploy_support import DASHBOARD, dashboard, dashboard_queries, panels
 
 # What an operator must be able to see, and a metric that shows it.
 REQUIRED = {

@@ -19,7 +19,7 @@ import yaml
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.config import Settings
-from tests.test_deploy_support import DOCKERFILE, K8S, load_yaml, missing, rule_groups, tool
+from tests.deploy_support import DOCKERFILE, K8S, load_yaml, missing, rule_groups, tool
 
 KUBERNETES_VERSIONS = ("1.35.0", "1.37.0")  # the oldest and newest minor kubernetes-validate has
 CRD_GROUPS = ("monitoring.coreos.com/",)

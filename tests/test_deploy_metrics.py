@@ -20,8 +20,7 @@ from prometheus_client.samples import Sample
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import StartServer
-from tests.grpc_support import DESTINATION, SOURCE, recorders
-from tests.test_deploy_support import (
+from tests.deploy_support import (
     Matcher,
     dashboard,
     dashboard_queries,
@@ -30,6 +29,7 @@ from tests.test_deploy_support import (
     recorded_names,
     rule_groups,
 )
+from tests.grpc_support import DESTINATION, SOURCE, recorders
 
 # Made by Prometheus itself, not by the server.
 SYNTHETIC = {"up"}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_deploy_support import (
+from tests.deploy_support import (
     README,
     RULES,
     RULES_TEST,

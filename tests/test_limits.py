@@ -25,6 +25,7 @@ TIMEOUT_S = 10.0
 # How long a test watches for something that must NOT happen. There is no
 # event for an absence; this is long against loopback round trips (~1 ms).
 QUIET_S = 0.5
+PROBES = 20  # round trips through the server while a peer waits on flow control
 
 
 def channel_to(server: Server, *options: tuple[str, int]) -> grpc.aio.Channel:
@@ -320,7 +321,14 @@ async def test_reports_on_connect_are_not_read_faster_than_their_acks(
         await call.initial_metadata()
         while processed() < MAX_UNACKED_REPORTS:  # noqa: ASYNC110 (a metric has no event)
             await asyncio.sleep(0.01)
-        await asyncio.sleep(QUIET_S)
+        # Not a sleep, which proves nothing on a slow machine: the server answers
+        # calls on another connection meanwhile, so it had every chance to read on.
+        async with channel_to(server) as other:
+            probe: Stub = pb_grpc.HandoffCoordinatorStub(other)
+            for _ in range(PROBES):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await probe.GetHandoff(pb.GetHandoffRequest(handoff_id=unknown))
+                assert refused.value.code() is grpc.StatusCode.NOT_FOUND
         assert processed() < bound, "reports were read without backpressure"
         # Reading the acknowledgements lets the rest through.
         acks = [

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
-from tests.test_service import CANCELED, start_request, succeed
+from tests.grpc_support import CANCELED, start_request, succeed
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -10,8 +10,8 @@ from handoff_server import convert
 from handoff_server.conformance import Answer, FactStep, StartStep, Vector, mismatch
 from handoff_server.model import HandoffError, Phase
 from handoff_server.registry import CallResult, Entry, Retained, StartRequest
+from tests.registry_support import DESTINATION, SOURCE, Harness
 from tests.support import all_vectors
-from tests.test_registry import DESTINATION, SOURCE, Harness
 
 
 def timestamp(seconds: float) -> Timestamp:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from handoff_server.model import NotFound
-from tests.test_registry import DESTINATION, SOURCE, Harness
+from tests.registry_support import DESTINATION, SOURCE, Harness
 
 
 def test_the_first_retained_handoff_wakes_the_timer_loop() -> None:

@@ -25,9 +25,7 @@ from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.security import SecurityConfigError
 from tests.conftest import StartServer
-from tests.grpc_support import ConnectEngine, StreamRecorder
-from tests.security_support import DECODE_SAN, PREFILL_SAN, Pki, Stub, make_pki, secure_channel
-from tests.test_service import (
+from tests.grpc_support import (
     ACCEPTED,
     APPLIED,
     CANCELED,
@@ -36,7 +34,10 @@ from tests.test_service import (
     SCHEDULED,
     SUBMITTED,
     TRANSFERRED,
+    ConnectEngine,
+    StreamRecorder,
 )
+from tests.security_support import DECODE_SAN, PREFILL_SAN, Pki, Stub, make_pki, secure_channel
 
 TIMEOUT_S = 10.0
 PREFILL = "prefill-0"

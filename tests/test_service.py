@@ -6,7 +6,6 @@ import asyncio
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from typing import TypeAlias
 
 import grpc
 import pytest
@@ -18,70 +17,26 @@ from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.core import Handoff
 from tests.conftest import StartServer
-from tests.grpc_support import DESTINATION, SOURCE, StreamRecorder, recorders
-
-SUBMITTED = pb.Outcome(kind=pb.OUTCOME_KIND_SUBMITTED)
-ACCEPTED = pb.Outcome(kind=pb.OUTCOME_KIND_ACCEPTED)
-SCHEDULED = pb.Outcome(kind=pb.OUTCOME_KIND_SCHEDULED)
-APPLIED = pb.Outcome(kind=pb.OUTCOME_KIND_APPLIED)
-HELD = pb.Fact(
-    source_held=pb.SourceHeld(
-        transfer_timing=pb.TransferTiming(
-            mode=pb.TRANSFER_TIMING_MODE_FULL_PROMPT,
-            full_prompt_tokens=1000,
-            kv_bytes_per_token=1000,
-            bandwidth_gb_s=1.0,
-        )
-    )
+from tests.grpc_support import (
+    APPLIED,
+    CANCELED,
+    HELD,
+    SOURCE,
+    SUBMITTED,
+    StreamRecorder,
+    Stub,
+    fact,
+    outcome,
+    recorders,
+    start_request,
+    succeed,
 )
-RESERVED = pb.Fact(destination_reserved=pb.DestinationReserved(transferable_prompt_tokens=1000))
-TRANSFERRED = pb.Fact(transfer_completed=pb.TransferCompleted())
-CANCELED = pb.Fact(canceled=pb.Canceled(reason="client went away"))
-
-# Only the stubs' .pyi knows the async stub type.
-Stub: TypeAlias = "pb_grpc.HandoffCoordinatorAsyncStub"
 
 
 @pytest.fixture
 async def stub(server: Server) -> AsyncIterator[Stub]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield pb_grpc.HandoffCoordinatorStub(channel)
-
-
-def start_request(handoff_id: str | None = None, /, **fields: object) -> pb.StartHandoffRequest:
-    values: dict[str, object] = {
-        "handoff_id": handoff_id or str(uuid.uuid4()),
-        "engine_type": pb.ENGINE_TYPE_VLLM,
-        "source_engine_id": SOURCE,
-        "destination_engine_id": DESTINATION,
-        "fallback_transfer_delay_ms": 5.0,
-    }
-    values.update(fields)
-    return pb.StartHandoffRequest(**values)  # type: ignore[arg-type]
-
-
-async def fact(stub: Stub, handoff_id: str, message: pb.Fact) -> pb.ReportFactResponse:
-    return await stub.ReportFact(pb.ReportFactRequest(handoff_id=handoff_id, fact=message))
-
-
-async def outcome(
-    stub: Stub, handoff_id: str, action_id: int, message: pb.Outcome
-) -> pb.ReportOutcomeResponse:
-    return await stub.ReportOutcome(
-        pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=action_id, outcome=message)
-    )
-
-
-async def succeed(stub: Stub, handoff_id: str) -> None:
-    await outcome(stub, handoff_id, 0, SUBMITTED)
-    await fact(stub, handoff_id, HELD)
-    await outcome(stub, handoff_id, 1, ACCEPTED)
-    await fact(stub, handoff_id, RESERVED)
-    await outcome(stub, handoff_id, 2, SCHEDULED)
-    await fact(stub, handoff_id, TRANSFERRED)
-    await outcome(stub, handoff_id, 3, APPLIED)
-    response = await outcome(stub, handoff_id, 4, APPLIED)
-    assert response.handoff.completion == pb.COMPLETION_SUCCESS
 
 
 async def rejection(call: object) -> grpc.aio.AioRpcError:

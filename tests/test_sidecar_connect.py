@@ -44,7 +44,7 @@ from handoff_client.sidecar import Facts
 from handoff_client.transport import TRANSPORT_KINDS, TransportKind, make_transport
 from handoff_server.app import Server
 from tests.conftest import FAST_RECONNECT
-from tests.test_sidecar import (
+from tests.sidecar_support import (
     DESTINATION,
     SOURCE,
     TIMEOUT_S,

@@ -37,7 +37,7 @@ from handoff_client.errors import FENCE_KEY, OlderIncarnationError
 from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.transport import TRANSPORT_KINDS
 from handoff_server.app import Server
-from tests.test_sidecar import QUICK, SOURCE, TIMEOUT_S, ScriptedEngine, running
+from tests.sidecar_support import QUICK, SOURCE, TIMEOUT_S, ScriptedEngine, running
 
 pytestmark = pytest.mark.timeout(60)
 

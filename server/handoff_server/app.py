@@ -122,14 +122,15 @@ class Server:
             else "TLS"
         )
         log.info(
-            "serving gRPC (%s; %s; %s) on %s:%d, metrics on %s:%d",
+            "serving gRPC (%s; %s; %s) on %s:%d, %s",
             transport,
             f"{len(tokens)} bearer tokens" if tokens else "no token required",
             f"{len(identities)} engine identities" if identities else "engine ids not bound",
             settings.host,
             self.port,
-            settings.metrics_host,
-            self.metrics_port,
+            f"metrics on {settings.metrics_host}:{self.metrics_port}"
+            if self._metrics_server is not None
+            else "metrics off",
         )
         if self._health_grpc is not None:
             log.info("health only, plaintext, on %s:%d", settings.health_host, self.health_port)

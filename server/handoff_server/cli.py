@@ -1,14 +1,35 @@
-"""The `handoff` command: one subcommand per job, each in its own module."""
+"""The `handoff` command: one subcommand per job, each in its own module.
+
+`pip install handoff` brings only the SDK's dependencies. The commands that
+need the server's (serve, health, sim, demo) are still listed then, and say
+how to get them instead of failing with an ImportError.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
-from handoff_client.sim import cli as sim_cli
-from handoff_client.sim import demo
-from handoff_server import health, inspect_cmd, replay, serve
+# Each module has add_parser(commands), which registers one subcommand.
+COMMANDS = {
+    "serve": "handoff_server.serve",
+    "inspect": "handoff_server.inspect_cmd",
+    "replay": "handoff_server.replay",
+    "health": "handoff_server.health",
+    "sim": "handoff_client.sim.cli",
+    "demo": "handoff_client.sim.demo",
+}
+SERVER_EXTRA = "pip install 'handoff[server]'"
+
+
+def installed_version() -> str:
+    try:
+        return version("handoff")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,18 +37,45 @@ def build_parser() -> argparse.ArgumentParser:
         prog="handoff",
         description="Coordinate prefill-to-decode KV-cache handoffs for disaggregated LLM serving.",
     )
+    parser.add_argument("--version", action="version", version=f"handoff {installed_version()}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    serve.add_parser(commands)
-    inspect_cmd.add_parser(commands)
-    replay.add_parser(commands)
-    health.add_parser(commands)
-    sim_cli.add_parser(commands)
-    demo.add_parser(commands)
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is None or error.name.partition(".")[0].startswith("handoff"):
+                raise  # our own code is missing: a broken install, not a missing extra
+            _add_unavailable(commands, name, error.name)
+        else:
+            module.add_parser(commands)
+            # Its own usage, not the top level's, for an argument it does not know.
+            commands.choices[name].set_defaults(command_parser=commands.choices[name])
     return parser
 
 
+def _add_unavailable(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, missing: str
+) -> None:
+    """A command whose dependencies are not installed: it explains, whatever its arguments."""
+    parser = commands.add_parser(
+        name, help=f"(needs the server extra: {SERVER_EXTRA})", add_help=False
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        print(
+            f"handoff {name}: needs the server's dependencies (module {missing!r} is not "
+            f"installed); install them with: {SERVER_EXTRA}",
+            file=sys.stderr,
+        )
+        return 2
+
+    parser.set_defaults(run=run, command_parser=None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown and args.command_parser is not None:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     code: int = args.run(args)
     return code
 

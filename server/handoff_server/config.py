@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -133,6 +134,14 @@ class Settings:
             raise ValueError(
                 f"default_timeout_s must be > 0 and at most {MAX_HANDOFF_TIMEOUT_S:.0f}"
             )
+        if not 0 <= self.port <= MAX_PORT:
+            raise ValueError(f"port must be 0 (any free port) to {MAX_PORT}, got {self.port}")
+        for name in ("metrics_port", "health_port"):
+            port = getattr(self, name)
+            if not -1 <= port <= MAX_PORT:
+                raise ValueError(
+                    f"{name} must be -1 (off), 0 (any free port) to {MAX_PORT}, got {port}"
+                )
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -161,6 +170,12 @@ class Settings:
             raise ValueError("keepalive_time_s and keepalive_timeout_s must be > 0")
 
 
+MAX_PORT = 65535
+# What Kubernetes puts in HANDOFF_PORT (and HANDOFF_PORT_50051_TCP, ...) for a
+# Service named "handoff" in the namespace, unless enableServiceLinks is off.
+SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
+
+
 def _parser(default: object) -> Any:
     return type(default)
 
@@ -183,11 +198,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def service_links(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Setting variables holding a Kubernetes service link, which from_arguments ignores.
+
+    A value like tcp://10.0.0.7:50051 is never an operator's: Kubernetes lets
+    the pod's own env win over its service links, so it came from a Service
+    that happens to be named "handoff".
+    """
+    return [
+        env_name(setting.name)
+        for setting in fields(Settings)
+        if SERVICE_LINK.match(environ.get(env_name(setting.name), ""))
+    ]
+
+
 def from_arguments(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> Settings:
     values: dict[str, Any] = {}
+    links = service_links(environ)
     for setting in fields(Settings):
         value = getattr(args, setting.name, None)
-        if value is None and env_name(setting.name) in environ:
+        variable = env_name(setting.name)
+        if value is None and variable in environ and variable not in links:
             raw = environ[env_name(setting.name)]
             parse = _parser(setting.default)
             try:

@@ -1,10 +1,17 @@
-"""`handoff serve`: run the coordinator until SIGTERM or SIGINT, then drain and exit 0."""
+"""`handoff serve`: run the coordinator until SIGTERM or SIGINT, then drain and exit 0.
+
+A second SIGTERM or SIGINT during the drain (Ctrl-C again, or an impatient
+supervisor) exits at once with 128 + the signal's number, as a shell reports
+a process the signal killed; unfinished handoffs are left to the engines'
+own timeouts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -13,6 +20,7 @@ from handoff_server import config, logs
 from handoff_server.app import Server
 
 log = logging.getLogger("handoff.serve")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"handoff serve: {error}", file=sys.stderr)
         return 2
     logs.configure(settings.log_format, settings.log_level)
+    for variable in config.service_links():
+        log.warning(
+            "ignoring %s: its value looks like a Kubernetes service link (tcp://...) for a "
+            "Service named 'handoff', not a setting; set enableServiceLinks: false in the pod",
+            variable,
+        )
     try:
         with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
             runner.run(_serve(settings))
@@ -61,8 +75,20 @@ async def _serve(settings: config.Settings) -> None:
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     log.info("signal received; shutting down")
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, _exit_now, signum, server)
     await server.stop()
+
+
+def _exit_now(signum: int, server: Server) -> None:
+    log.error(
+        "%s again during the drain: exiting now, %d handoffs unfinished",
+        signal.Signals(signum).name,
+        server.registry.active_count,
+    )
+    logging.shutdown()
+    os._exit(128 + signum)

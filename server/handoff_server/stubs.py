@@ -1,16 +1,25 @@
 """Generate the Python stubs in client/handoff/v1 from proto/.
 
 `python -m handoff_server.stubs --write` regenerates the committed stubs;
-`--check` exits 1 when they have drifted from the proto. Needs grpcio-tools
-and mypy-protobuf (the test extras).
+`--check` exits 1 when they have drifted from the proto.
+
+The generator is pinned, and old on purpose: protoc's Python code and gRPC's
+*_pb2_grpc.py only run on a runtime at least as new as the generator (newer
+generators check it at import), so the oldest grpcio-tools that installs on
+our Pythons gives the SDK the widest grpcio/protobuf range (pyproject.toml).
+It lives in a venv of its own (TOOL_VENV), made on first use, since its
+protobuf cannot share one with the server's. The .pyi come from mypy-protobuf
+in the calling venv (the test extra): they type enums and pass mypy --strict.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import subprocess
 import sys
 import tempfile
+import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,19 +32,31 @@ GENERATED = (
     "coordinator_pb2_grpc.py",
     "coordinator_pb2_grpc.pyi",
 )
+# Python 3.11 wheels start here; its protoc (3.21.6) writes protobuf 4.21.6 code.
+GRPCIO_TOOLS = "1.49.1"
+TOOL_VENV = ROOT / ".venv" / f"grpcio-tools-{GRPCIO_TOOLS}"
+
+
+def toolchain() -> Path:
+    """The Python of the pinned grpcio-tools venv, made if it is not there yet."""
+    python = TOOL_VENV / "bin" / "python"
+    installed = TOOL_VENV / "installed"  # written last: a half-made venv is made again
+    if not installed.exists():
+        venv.create(TOOL_VENV, clear=True, with_pip=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        subprocess.run([*pip, "--only-binary=:all:", f"grpcio-tools=={GRPCIO_TOOLS}"], check=True)
+        installed.touch()
+    return python
 
 
 def generate(out: Path) -> None:
-    """Run protoc (from grpcio-tools) over PROTOS into ``out``."""
-    import grpc_tools
-    from grpc_tools import protoc
-
-    well_known = Path(grpc_tools.__file__).parent / "_proto"
+    """Run the pinned protoc over PROTOS into ``out``."""
     plugins = Path(sys.executable).parent
     args = [
-        "protoc",
+        str(toolchain()),
+        "-m",
+        "grpc_tools.protoc",  # adds grpc_tools' well-known protos to the path
         f"-I{PROTO_ROOT}",
-        f"-I{well_known}",
         f"--python_out={out}",
         f"--grpc_python_out={out}",
         # mypy-protobuf's stubs, unlike protoc's own --pyi_out, type enums
@@ -46,8 +67,9 @@ def generate(out: Path) -> None:
         f"--mypy_grpc_out={out}",
         *PROTOS,
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError("protoc failed: " + " ".join(args))
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed ({' '.join(args)}):\n{done.stderr}")
 
 
 def drifted() -> list[str]:
@@ -69,7 +91,13 @@ def main() -> int:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--write", action="store_true", help="regenerate the committed stubs")
     action.add_argument("--check", action="store_true", help="fail if the stubs have drifted")
+    action.add_argument(
+        "--toolchain", action="store_true", help="make the pinned grpcio-tools venv, if missing"
+    )
     args = parser.parse_args()
+    if args.toolchain:
+        print(toolchain())
+        return 0
     if args.write:
         generate(STUB_ROOT)
         return 0

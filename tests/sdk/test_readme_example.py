@@ -8,9 +8,8 @@ import types
 from pathlib import Path
 
 from handoff_client import Completion, Handoff
-from handoff_server.app import Server
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 TIMEOUT_S = 10.0
 
 
@@ -20,10 +19,10 @@ def sidecar_example() -> str:
     return str(example)
 
 
-async def test_the_readme_sidecar_example_runs(lean_server: Server) -> None:
+async def test_the_readme_sidecar_example_runs(coordinator: str) -> None:
     module = types.ModuleType("readme_example")
     exec(compile(sidecar_example(), str(README), "exec"), module.__dict__)
     async with asyncio.timeout(TIMEOUT_S):
-        handoff: Handoff = await module.main(f"127.0.0.1:{lean_server.port}")
+        handoff: Handoff = await module.main(coordinator)
     assert handoff.completion is Completion.SUCCESS
     assert len(handoff.lifecycle) == 6

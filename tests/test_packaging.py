@@ -1,0 +1,51 @@
+"""What `pip install handoff` promises, kept in step with what CI proves."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+from handoff_server import stubs
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+MAKEFILE = (ROOT / "Makefile").read_text()
+
+
+def floor(requirement: str) -> str:
+    (found,) = re.findall(r">=([\d.]+)", requirement)
+    return str(found)
+
+
+def make_variable(name: str) -> str:
+    (value,) = re.findall(rf"^{name} := (\S+)$", MAKEFILE, re.MULTILINE)
+    return str(value)
+
+
+def test_the_sdk_needs_only_grpcio_and_protobuf_in_ranges() -> None:
+    names = [re.split(r"[<>=]", d)[0] for d in PROJECT["dependencies"]]
+    assert names == ["grpcio", "protobuf"]
+    assert all("<" in d and ">=" in d for d in PROJECT["dependencies"])
+    server = " ".join(PROJECT["optional-dependencies"]["server"])
+    for module in ("prometheus-client", "grpcio-health-checking", "grpcio-reflection", "uvloop"):
+        assert module in server
+    assert not any(
+        "grpcio-tools" in d for extra in PROJECT["optional-dependencies"].values() for d in extra
+    )
+
+
+def test_make_test_sdk_runs_at_the_floors_the_generator_allows() -> None:
+    grpcio, protobuf = PROJECT["dependencies"]
+    assert make_variable("SDK_GRPCIO") == floor(grpcio) == stubs.GRPCIO_TOOLS
+    assert make_variable("SDK_PROTOBUF") == floor(protobuf)
+
+
+def test_classifiers_name_the_pythons_make_test_runs() -> None:
+    classified = {
+        c.rsplit(" :: ", 1)[1] for c in PROJECT["classifiers"] if re.search(r"3\.\d+$", c)
+    }
+    assert classified == {"3.11", "3.12", "3.13"}
+    assert "PYTHON312 :=" in MAKEFILE
+    assert "PYTHON313 :=" in MAKEFILE
+    assert PROJECT["license"] == "Apache-2.0"  # an SPDX string: no setuptools warning
