@@ -16,13 +16,16 @@ from handoff_server.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     HandoffError,
+    LifecycleEvent,
     Order,
     Outcome,
     OutcomeKind,
     Phase,
+    Side,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -80,6 +83,16 @@ def completed(order: Order) -> Handoff:
     return handoff
 
 
+def transferred(order: Order) -> tuple[Handoff, Action]:
+    """A handoff whose KV reached the destination; returns ActivateDestination."""
+    handoff = held_and_reserved(order)
+    transfer = schedule_transfer(handoff)
+    handoff.apply_outcome(transfer.id, SCHEDULED)
+    activate = only(handoff.apply_fact(TransferCompleted()))
+    assert activate.kind is ActionKind.ACTIVATE_DESTINATION
+    return handoff, activate
+
+
 bandwidths = st.one_of(
     st.none(),
     st.sampled_from([0.0, 1.0, 100.0, -1.0, math.inf, -math.inf, math.nan, 1e-300]),
@@ -98,7 +111,30 @@ facts: st.SearchStrategy[Fact] = st.one_of(
     st.builds(DestinationReserved, st.integers(0, 1 << 62)),
     st.just(TransferCompleted()),
     st.sampled_from([Failed(), TimedOut(), Canceled()]),
+    st.builds(EngineLost, st.sampled_from(list(Side))),
 )
+LOST_EVENT = {
+    Side.SOURCE: LifecycleEvent.SOURCE_LOST,
+    Side.DESTINATION: LifecycleEvent.DESTINATION_LOST,
+}
+# Every action but the Complete notice goes to one side (StartTransfer: whichever
+# executes it, so neither may be lost when it is issued).
+SIDES_OF = {
+    ActionKind.SUBMIT_PREFILL: {Side.SOURCE},
+    ActionKind.RELEASE_SOURCE: {Side.SOURCE},
+    ActionKind.CANCEL_SOURCE: {Side.SOURCE},
+    ActionKind.RESERVE_DESTINATION: {Side.DESTINATION},
+    ActionKind.ACTIVATE_DESTINATION: {Side.DESTINATION},
+    ActionKind.CANCEL_DESTINATION: {Side.DESTINATION},
+    ActionKind.START_TRANSFER: {Side.SOURCE, Side.DESTINATION},
+    ActionKind.COMPLETE: set(),
+}
+
+
+def lost_sides(handoff: Handoff) -> set[Side]:
+    return {side for side, event in LOST_EVENT.items() if event in handoff.lifecycle}
+
+
 outcomes = st.builds(
     Outcome,
     kind=st.sampled_from(list(OutcomeKind)),
@@ -126,12 +162,21 @@ class HandoffMachine(RuleBasedStateMachine):
             actions: tuple[Action, ...] = apply(*args)  # type: ignore[operator]
         except HandoffError:
             assert self.handoff.snapshot() == before
+            assert not any(isinstance(arg, EngineLost) for arg in args), "EngineLost rejected"
             return
         self.issued.extend(actions)
+        # Nothing is owed to a lost side: no action goes to it once it is lost,
+        # including in the call that lost it.
+        lost = lost_sides(self.handoff)
+        for action in actions:
+            assert not SIDES_OF[action.kind] & lost, f"{action} issued to a lost side"
+            if action.kind is ActionKind.COMPLETE:
+                assert action.completion is self.handoff.completion
         completes = [a for a in actions if a.kind is ActionKind.COMPLETE]
         assert len(completes) <= 1
         if completes:
-            assert phase_before is not Phase.COMPLETE
+            if phase_before is Phase.COMPLETE:  # only a lost decode completes twice in one call
+                assert args == (EngineLost(Side.DESTINATION),)
             assert self.handoff.phase is Phase.COMPLETE
             assert self.handoff.completion is not None
             self.completions.append(self.handoff.completion)
@@ -181,6 +226,25 @@ class HandoffMachine(RuleBasedStateMachine):
             self.acknowledged[action_id] = outcome
 
     @invariant()
+    def every_handoff_can_complete(self) -> None:
+        """Losing both engines completes any handoff at once: nothing can hang."""
+        handoff = self.handoff
+        if handoff.phase is Phase.COMPLETE:
+            return
+        before = handoff.snapshot()
+        checkpoint = handoff.checkpoint()
+        handoff.apply_fact(EngineLost(Side.SOURCE))
+        handoff.apply_fact(EngineLost(Side.DESTINATION))
+        assert (handoff.phase, handoff.completion) == (Phase.COMPLETE, Completion.CANCELED)
+        handoff.restore(checkpoint)
+        assert handoff.snapshot() == before
+
+    @invariant()
+    def each_side_is_lost_at_most_once(self) -> None:
+        lifecycle = self.handoff.lifecycle
+        assert all(lifecycle.count(event) <= 1 for event in LOST_EVENT.values())
+
+    @invariant()
     def action_ids_have_no_gaps(self) -> None:
         assert [a.id for a in self.issued] == list(range(len(self.issued)))
 
@@ -194,8 +258,17 @@ class HandoffMachine(RuleBasedStateMachine):
 
     @invariant()
     def success_only_after_the_full_lifecycle(self) -> None:
-        if self.handoff.completion is Completion.SUCCESS and self.handoff.phase is Phase.COMPLETE:
-            assert self.handoff.lifecycle == EXPECTED_LIFECYCLE[self.handoff.order]
+        if self.handoff.completion is not Completion.SUCCESS:
+            return
+        if self.handoff.phase is not Phase.COMPLETE:
+            return
+        expected = EXPECTED_LIFECYCLE[self.handoff.order]
+        lifecycle = self.handoff.lifecycle
+        if LifecycleEvent.SOURCE_LOST in lifecycle:
+            # The source was lost once the destination had the KV: no release.
+            expected = tuple(e for e in expected if e is not LifecycleEvent.SOURCE_RELEASED)
+            lifecycle = tuple(e for e in lifecycle if e is not LifecycleEvent.SOURCE_LOST)
+        assert lifecycle == expected
 
     @invariant()
     def complete_means_every_resource_was_released(self) -> None:
@@ -212,9 +285,12 @@ class HandoffMachine(RuleBasedStateMachine):
             )
 
         kinds = {a.kind for a in self.issued}
-        if ActionKind.SUBMIT_PREFILL in kinds:
+        lost = lost_sides(self.handoff)
+        if ActionKind.SUBMIT_PREFILL in kinds and Side.SOURCE not in lost:
             assert acknowledged(ActionKind.RELEASE_SOURCE) or acknowledged(ActionKind.CANCEL_SOURCE)
-        if ActionKind.RESERVE_DESTINATION in kinds:
+        if self.handoff.completion is Completion.SUCCESS:
+            assert Side.DESTINATION not in lost
+        if ActionKind.RESERVE_DESTINATION in kinds and Side.DESTINATION not in lost:
             if self.handoff.completion is Completion.SUCCESS:
                 assert acknowledged(ActionKind.ACTIVATE_DESTINATION)
             else:

@@ -19,11 +19,14 @@ from handoff_server.model import (
     Action,
     ActionKind,
     Canceled,
+    Completion,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     Order,
     Outcome,
+    Side,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -61,6 +64,9 @@ def fact_message(fact: Fact) -> pb.Fact:
         return pb.Fact(failed=pb.Failed(reason="test"))
     if isinstance(fact, TimedOut):
         return pb.Fact(timed_out=pb.TimedOut())
+    if isinstance(fact, EngineLost):
+        role = pb.ROLE_SOURCE if fact.role is Side.SOURCE else pb.ROLE_DESTINATION
+        return pb.Fact(engine_lost=pb.EngineLost(role=role))
     assert isinstance(fact, Canceled)
     return pb.Fact(canceled=pb.Canceled(reason="test"))
 
@@ -90,7 +96,12 @@ def start_message(
 def core_action(message: pb.Action) -> Action:
     kind = ActionKind[pb.ActionKind.Name(message.kind).removeprefix("ACTION_KIND_")]
     delay = message.delay_ms if kind is ActionKind.START_TRANSFER else None
-    return Action(message.id, kind, delay)
+    completion = (
+        Completion[pb.Completion.Name(message.completion).removeprefix("COMPLETION_")]
+        if message.completion
+        else None
+    )
+    return Action(message.id, kind, delay, completion)
 
 
 def state_of(handoff: pb.Handoff) -> tuple[str, str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,10 +21,11 @@ from tests.grpc_support import (
     answer,
     call_connect,
     call_unary,
+    core_action,
     observe_state,
     same_delay,
 )
-from tests.support import all_vectors
+from tests.support import LOST_VECTORS, VECTORS, all_vectors
 
 CONCURRENCY = 16
 SOURCE_KINDS = {ActionKind.SUBMIT_PREFILL, ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE}
@@ -50,11 +52,23 @@ async def run_vector(
         state = await observe_state(stub, handoff_id)
         reason = mismatch(step.expect, answer(ok, code, message, actions, state))
         if reason is None:
+            reason = check_completions(step.expect.completion, actions)
+        if reason is None:
             reason = await check_routing(handoff_id, actions, source, destination)
         if reason is not None:
             return Failure(vector.name, index, step_op(step), reason)
         if isinstance(step, StartStep) and not ok:
             return None
+    return None
+
+
+def check_completions(expected: str | None, actions: tuple[Action, ...]) -> str | None:
+    """A Complete says how the handoff ended: the completion the call left it in."""
+    for action in actions:
+        if action.kind is ActionKind.COMPLETE:
+            got = None if action.completion is None else action.completion.value
+            if got != expected:
+                return f"Complete {action.id} carries completion {got}, expected {expected}"
     return None
 
 
@@ -84,16 +98,22 @@ async def check_routing(
                 delivered.delay_ms, action.delay_ms or 0.0
             ):
                 return f"action {action.id} delivered with delay {delivered.delay_ms}"
+            completion = core_action(delivered).completion
+            if completion is not action.completion:
+                return f"action {action.id} delivered with completion {completion}"
     return None
 
 
+@pytest.mark.parametrize("vectors_file", [VECTORS, LOST_VECTORS], ids=["vectors", "lost"])
 @pytest.mark.parametrize("transport", ["unary", "connect", "connect-batch"])
-async def test_all_vectors_pass_through_a_running_server(server: Server, transport: str) -> None:
+async def test_all_vectors_pass_through_a_running_server(
+    server: Server, transport: str, vectors_file: Path
+) -> None:
     """Facts and outcomes on the unary RPCs (actions on StreamActions), or all on
     Connect: one item per message, or packed (``ConnectHello.batch``, reports in
     ``ConnectRequest.reports``; the vectors run concurrently, so the server packs
     acks and actions of several at once)."""
-    vectors = all_vectors()
+    vectors = all_vectors(vectors_file)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.HandoffCoordinatorStub(channel)
         engines: list[StreamRecorder] | list[ConnectEngine]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,18 +22,27 @@ from handoff_server.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EngineLost,
     HandoffError,
     Order,
     Outcome,
     OutcomeKind,
     Phase,
+    Side,
     SourceHeld,
     TimingMode,
     TransferCompleted,
     TransferTiming,
 )
-from tests.core_support import APPLIED, HandoffMachine, completed, held_and_reserved, only
-from tests.support import all_vectors
+from tests.core_support import (
+    APPLIED,
+    HandoffMachine,
+    completed,
+    held_and_reserved,
+    only,
+    transferred,
+)
+from tests.support import LOST_VECTORS, VECTORS, all_vectors
 
 Observed = tuple[Action, ...] | tuple[str, str]
 
@@ -52,7 +62,13 @@ def test_unpacking_gives_back_the_same_state_and_the_reads_agree() -> None:
     for action in canceled.apply_fact(Canceled()):
         canceled.apply_outcome(action.id, APPLIED)
     handoffs = [completed(Order.SOURCE_FIRST), completed(Order.DESTINATION_FIRST)]
-    for handoff in [*handoffs, reopened, canceled]:
+    # Lost sides: a success without the source, a success whose decode died.
+    source_lost, activate = transferred(Order.SOURCE_FIRST)
+    source_lost.apply_fact(EngineLost(Side.SOURCE))
+    source_lost.apply_outcome(activate.id, APPLIED)
+    decode_lost = completed(Order.DESTINATION_FIRST)
+    decode_lost.apply_fact(EngineLost(Side.DESTINATION))
+    for handoff in [*handoffs, reopened, canceled, source_lost, decode_lost]:
         packed = handoff.pack()
         assert packed.unpack().snapshot() == handoff.snapshot()
         assert packed.snapshot() == handoff.snapshot()
@@ -64,7 +80,8 @@ def test_unpacking_gives_back_the_same_state_and_the_reads_agree() -> None:
             handoff.completion,
             handoff.lifecycle,
         )
-    assert [h.completion for h in (reopened, canceled)] == [Completion.CANCELED] * 2
+    assert [h.completion for h in (reopened, canceled, decode_lost)] == [Completion.CANCELED] * 3
+    assert source_lost.completion is Completion.SUCCESS
 
 
 def test_handoffs_that_ended_alike_share_their_ending() -> None:
@@ -158,13 +175,18 @@ def replay_packing(vector: Vector, endings: list[Ending]) -> str | None:
     return None
 
 
-def test_all_vectors_pass_when_completed_handoffs_are_packed_between_calls() -> None:
+@pytest.mark.parametrize(
+    ("path", "distinct"), [(VECTORS, 48), (LOST_VECTORS, 128)], ids=["vectors", "lost"]
+)
+def test_all_vectors_pass_when_completed_handoffs_are_packed_between_calls(
+    path: Path, distinct: int
+) -> None:
     endings: list[Ending] = []
-    failures = [f for v in all_vectors() if (f := replay_packing(v, endings)) is not None]
+    failures = [f for v in all_vectors(path) if (f := replay_packing(v, endings)) is not None]
     assert failures == []
     # Thousands of completed states, and they are a few dozen shared objects.
     assert len(endings) > 1000
-    assert len({id(e) for e in endings}) <= 48
+    assert len({id(e) for e in endings}) <= distinct
 
 
 def test_a_reopened_handoff_is_not_packed_until_it_completes_again() -> None:

@@ -10,7 +10,15 @@ from collections.abc import Callable
 import pytest
 
 from handoff_server import convert
-from handoff_server.model import Canceled, Completion, NotFound, Order, Phase
+from handoff_server.model import (
+    Canceled,
+    Completion,
+    EngineLost,
+    NotFound,
+    Order,
+    Phase,
+    Side,
+)
 from handoff_server.registry import Entry, Retained, StartRequest
 from tests.registry_support import APPLIED, DESTINATION, SOURCE, Harness
 
@@ -63,6 +71,29 @@ def test_a_reopened_handoff_is_retained_from_its_second_completion() -> None:
     with pytest.raises(NotFound):
         h.registry.get(handoff_id)
     assert not h.registry.handoffs
+
+
+def test_a_lost_decode_reopens_and_completes_a_retained_handoff_in_one_call() -> None:
+    h = Harness(retention_s=600.0)
+    handoff_id = h.start()
+    h.succeed(handoff_id)
+    h.clock.advance(100.0)
+    (complete,) = h.registry.report_fact(handoff_id, EngineLost(Side.DESTINATION)).actions
+    assert complete.action.completion is Completion.CANCELED
+    record = h.registry.get(handoff_id)
+    assert isinstance(record, Retained)  # a new record, from the second completion
+    assert record.core.completion is Completion.CANCELED
+    assert record.completed_at == h.clock()
+    assert h.registry.active_count == 0
+    assert h.value("handoff_reopened_total") == 1
+    assert h.value("handoff_completed_total", result="canceled") == 1
+    assert h.value("handoff_handoffs", phase="complete") == 1
+    assert h.value("handoff_facts_total", kind="engine_lost", origin="engine") == 1
+    h.advance(599.0)
+    assert h.phase(handoff_id) is Phase.COMPLETE  # retained from the second completion
+    h.advance(1.0)
+    with pytest.raises(NotFound):
+        h.registry.get(handoff_id)
 
 
 def test_eviction_skips_reopened_handoffs_and_takes_the_oldest_retained() -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from handoff_server.cli import main
-from tests.support import VECTORS
+from tests.support import LOST_VECTORS, VECTORS
 
 
 def test_replay_passes_every_shared_vector(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["replay", str(VECTORS)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "2000 passed, 0 failed"
+    assert main(["replay", str(VECTORS), str(LOST_VECTORS)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "3500 passed, 0 failed"
 
 
 def test_replay_prints_the_first_mismatch_and_fails(

@@ -173,6 +173,20 @@ async def test_a_frontend_starts_reads_and_cancels_but_acts_for_no_engine(
     assert callers.server.engine_streams.live == {}
 
 
+async def test_a_frontend_reports_a_lost_engine(callers: Callers) -> None:
+    """A router that learns a pod died says so (DESIGN.md, correction 7)."""
+    frontend = callers.frontend
+    async with asyncio.timeout(TIMEOUT_S):
+        handoff_id = (await frontend.StartHandoff(start_request())).handoff.handoff_id
+        lost = pb.Fact(engine_lost=pb.EngineLost(role=pb.ROLE_SOURCE))
+        answer = await fact(frontend, handoff_id, lost)
+        assert answer.handoff.completion == pb.COMPLETION_CANCELED
+        kinds = [e.kind for e in answer.handoff.lifecycle]
+        assert kinds == [pb.LIFECYCLE_EVENT_KIND_SOURCE_LOST, pb.LIFECYCLE_EVENT_KIND_COMPLETED]
+        [complete] = answer.actions
+        assert complete.completion == pb.COMPLETION_CANCELED
+
+
 async def test_an_engine_acts_only_for_itself_and_its_own_handoffs(callers: Callers) -> None:
     prefill = callers.prefill
     async with asyncio.timeout(TIMEOUT_S):

@@ -160,6 +160,10 @@ async def test_bad_reports_name_the_field_and_change_nothing(server: Server, stu
         (fact(stub, handoff_id, pb.Fact()), "fact is required"),
         (fact(stub, handoff_id, pb.Fact(source_held=pb.SourceHeld())), "transfer_timing"),
         (
+            fact(stub, handoff_id, pb.Fact(engine_lost=pb.EngineLost(role=pb.ROLE_BOTH))),
+            "fact.engine_lost.role must be ROLE_SOURCE or ROLE_DESTINATION",
+        ),
+        (
             outcome(stub, handoff_id, 0, pb.Outcome(kind=pb.OUTCOME_KIND_FAILED)),
             "outcome.reason is required",
         ),

@@ -21,12 +21,14 @@ from handoff_server.model import (
     ActionKind,
     Canceled,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     HandoffError,
     Order,
     Outcome,
     OutcomeKind,
+    Side,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -110,6 +112,8 @@ def parse_fact(raw: dict[str, Any]) -> Fact:
         )
     if kind == "destination_reserved":
         return DestinationReserved(int(raw["transferable_prompt_tokens"]))
+    if kind == "engine_lost":
+        return EngineLost(Side(raw["role"]))
     simple: dict[str, Fact] = {
         "transfer_completed": TransferCompleted(),
         "failed": Failed(),

@@ -19,6 +19,7 @@ from handoff_server.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     InvalidArgument,
@@ -27,6 +28,7 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
+    Side,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -155,6 +157,10 @@ FACT_TRANSFER_COMPLETED, FACT_TIMED_OUT, FACT_FAILED, FACT_CANCELED = (
     Failed(),
     Canceled(),
 )
+LOST = {
+    pb.ROLE_SOURCE: EngineLost(Side.SOURCE),
+    pb.ROLE_DESTINATION: EngineLost(Side.DESTINATION),
+}
 PLAIN_OUTCOMES = {kind: Outcome(kind) for kind in OutcomeKind if kind is not OutcomeKind.FAILED}
 
 
@@ -191,6 +197,11 @@ def fact(message: pb.Fact) -> Fact:
     if which == "canceled":
         _reason(message.canceled.reason, "fact.canceled.reason", required=False)
         return FACT_CANCELED
+    if which == "engine_lost":
+        lost = LOST.get(message.engine_lost.role)
+        if lost is None:
+            raise InvalidArgument("fact.engine_lost.role must be ROLE_SOURCE or ROLE_DESTINATION")
+        return lost
     return FACT_TRANSFER_COMPLETED if which == "transfer_completed" else FACT_TIMED_OUT
 
 
@@ -255,6 +266,8 @@ def action(dispatch: Dispatch) -> pb.Action:
     )
     if dispatch.action.delay_ms is not None:
         message.delay_ms = dispatch.action.delay_ms
+    if dispatch.action.completion is not None:
+        message.completion = COMPLETIONS[dispatch.action.completion]
     return message
 
 

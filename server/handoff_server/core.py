@@ -22,6 +22,7 @@ from handoff_server.model import (
     ActionKind,
     Completion,
     DestinationReserved,
+    EngineLost,
     Fact,
     FailedPrecondition,
     InvalidArgument,
@@ -31,6 +32,7 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
+    Side,
     SourceHeld,
     TransferCompleted,
     TransferTiming,
@@ -59,6 +61,8 @@ EV_DESTINATION_RESERVED = LifecycleEvent.DESTINATION_RESERVED
 EV_DESTINATION_ACTIVATED = LifecycleEvent.DESTINATION_ACTIVATED
 EV_SOURCE_RELEASED = LifecycleEvent.SOURCE_RELEASED
 EV_COMPLETED = LifecycleEvent.COMPLETED
+EV_SOURCE_LOST = LifecycleEvent.SOURCE_LOST
+EV_DESTINATION_LOST = LifecycleEvent.DESTINATION_LOST
 
 
 class Handoff:
@@ -83,6 +87,7 @@ class Handoff:
         "_release_issued",
         "_source_cancel_issued",
         "_source_done",
+        "_source_lost",
         # destination side
         "_reserve_issued",
         "_accepted",
@@ -92,6 +97,7 @@ class Handoff:
         "_activation_applied",
         "_destination_cancel_issued",
         "_destination_done",
+        "_destination_lost",
         # transfer
         "_transfer_delay_ms",
         "_transfer_issued",
@@ -121,6 +127,7 @@ class Handoff:
         self._release_issued = False
         self._source_cancel_issued = False
         self._source_done = False
+        self._source_lost = False
         self._reserve_issued = False
         self._accepted = False
         self._reserved = False
@@ -129,6 +136,7 @@ class Handoff:
         self._activation_applied = False
         self._destination_cancel_issued = False
         self._destination_done = False
+        self._destination_lost = False
         self._transfer_delay_ms = 0.0
         self._transfer_issued = False
         self._transfer_scheduled = False
@@ -214,6 +222,8 @@ class Handoff:
             raise InvalidArgument(
                 f"invalid transferable prompt tokens {fact.transferable_prompt_tokens}"
             )
+        elif isinstance(fact, EngineLost):
+            return self._on_engine_lost(fact.role)
 
         if self._phase is not ACTIVE:
             if (
@@ -314,6 +324,32 @@ class Handoff:
         self._lifecycle.append(EV_DESTINATION_RESERVED)
         return self._advance_active()
 
+    def _on_engine_lost(self, side: Side) -> tuple[Action, ...]:
+        # Never rejected (DESIGN.md, correction 7): the lost side is settled,
+        # and nothing is owed to it from now on.
+        # A side that freed what it held, or was lost already, owes nothing
+        # either way; after CANCELED nothing is owed to anyone. (So a source
+        # lost after SUCCESS changes nothing: it released or was lost.)
+        if self._completion is CANCELED:
+            return NO_ACTIONS
+        if side is Side.SOURCE:
+            if self._source_lost or self._source_done:
+                return NO_ACTIONS
+            self._source_lost = True
+            self._lifecycle.append(EV_SOURCE_LOST)
+            if self._phase is ACTIVE and self._transfer_completed:
+                # The destination has the KV: it no longer needs the source.
+                return self._advance_active()
+        else:
+            if self._destination_lost or self._destination_done:
+                return NO_ACTIONS
+            # After SUCCESS this reopens the handoff: the decode that owned the
+            # request died, and nothing is owed to it, so it completes CANCELED.
+            self._destination_lost = True
+            self._lifecycle.append(EV_DESTINATION_LOST)
+        self._phase = CLEANING_UP
+        return self._advance_cleanup()
+
     def _scheduled_delay(self, timing: TransferTiming, tokens: int) -> float:
         # Validated where it is computed: in DESTINATION_MISSING mode the
         # token count comes from the destination and is bounded by nothing.
@@ -334,6 +370,8 @@ class Handoff:
         if self._transfer_completed and not self._activation_issued:
             self._activation_issued = True
             return (self._issue(DO_ACTIVATE_DESTINATION),)
+        if self._activation_applied and self._source_lost:
+            return (self._complete(),)  # an outstanding ReleaseSource stops mattering
         if self._activation_applied and not self._release_issued:
             self._release_issued = True
             return (self._issue(DO_RELEASE_SOURCE),)
@@ -342,22 +380,20 @@ class Handoff:
         return NO_ACTIONS
 
     def _advance_cleanup(self) -> tuple[Action, ...]:
+        # A side is owed cleanup once it was asked to act, until it acknowledged
+        # a release or cancel or was lost.
+        source_owed = self._submit_issued and not self._source_done and not self._source_lost
+        destination_owed = (
+            self._reserve_issued and not self._destination_done and not self._destination_lost
+        )
         actions: list[Action] = []
-        if self._submit_issued and not self._source_cancel_issued and not self._source_done:
+        if source_owed and not self._source_cancel_issued:
             self._source_cancel_issued = True
             actions.append(self._issue(DO_CANCEL_SOURCE))
-        if (
-            self._reserve_issued
-            and not self._destination_cancel_issued
-            and not self._destination_done
-        ):
+        if destination_owed and not self._destination_cancel_issued:
             self._destination_cancel_issued = True
             actions.append(self._issue(DO_CANCEL_DESTINATION))
-        if (
-            not actions
-            and (not self._submit_issued or self._source_done)
-            and (not self._reserve_issued or self._destination_done)
-        ):
+        if not source_owed and not destination_owed:
             actions.append(self._complete())
         return tuple(actions)
 
@@ -370,9 +406,9 @@ class Handoff:
         return self._issue(DO_RESERVE_DESTINATION)
 
     def _complete(self) -> Action:
-        self._completion = CANCELED if self._phase is CLEANING_UP else SUCCESS
+        completion = self._completion = CANCELED if self._phase is CLEANING_UP else SUCCESS
         self._phase = COMPLETE
-        action = self._issue(DO_COMPLETE)
+        action = self._issue(DO_COMPLETE, completion=completion)
         self._issued.clear()
         self._outcomes.clear()
         # Read only while ACTIVE, which a handoff never is again. Forgotten so
@@ -383,8 +419,13 @@ class Handoff:
         self._lifecycle.append(EV_COMPLETED)
         return action
 
-    def _issue(self, kind: ActionKind, delay_ms: float | None = None) -> Action:
-        action = Action(self._next_action_id, kind, delay_ms)
+    def _issue(
+        self,
+        kind: ActionKind,
+        delay_ms: float | None = None,
+        completion: Completion | None = None,
+    ) -> Action:
+        action = Action(self._next_action_id, kind, delay_ms, completion)
         self._next_action_id += 1
         self._issued[action.id] = action
         return action

@@ -21,6 +21,7 @@ FACT_KINDS = (
     "failed",
     "timed_out",
     "canceled",
+    "engine_lost",
 )
 RPCS = ("StartHandoff", "ReportFact", "ReportOutcome", "StreamActions", "Connect", "GetHandoff")
 
@@ -34,7 +35,9 @@ class Metrics:
             "handoff_completed", "Handoff completions by result.", ["result"], registry=r
         )
         self.reopened = Counter(
-            "handoff_reopened", "Successful handoffs reopened by a terminal fact.", registry=r
+            "handoff_reopened",
+            "Successful handoffs reopened by a terminal fact or a lost decode.",
+            registry=r,
         )
         self.timed_out = Counter(
             "handoff_timed_out", "Handoffs whose deadline passed while active.", registry=r

@@ -29,6 +29,13 @@ class Completion(enum.Enum):
     CANCELED = "canceled"
 
 
+class Side(enum.Enum):
+    """The two engines of a handoff: the prefill (source) and the decode (destination)."""
+
+    SOURCE = "source"
+    DESTINATION = "destination"
+
+
 class ActionKind(enum.Enum):
     # Identity hashing in C: Enum's default hashes the name in Python, and the
     # core looks kinds up in dicts on every call.
@@ -69,6 +76,8 @@ class LifecycleEvent(enum.Enum):
     DESTINATION_ACTIVATED = "destination_activated"
     SOURCE_RELEASED = "source_released"
     COMPLETED = "completed"
+    SOURCE_LOST = "source_lost"
+    DESTINATION_LOST = "destination_lost"
 
 
 EXPECTED_LIFECYCLE: dict[Order, tuple[LifecycleEvent, ...]] = {
@@ -253,7 +262,18 @@ class Canceled:
     """Terminal: the client no longer wants the request; clean up."""
 
 
-Fact = SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled
+@dataclass(frozen=True, slots=True)
+class EngineLost:
+    """That engine's memory for this handoff is gone (DESIGN.md, correction 7):
+    it died, restarted empty, or freed on its own. Never rejected; nothing is
+    owed to that side any more."""
+
+    role: Side
+
+
+Fact = (
+    SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled | EngineLost
+)
 TERMINAL_FACTS = (Failed, TimedOut, Canceled)
 
 
@@ -277,3 +297,4 @@ class Action:
     id: int
     kind: ActionKind
     delay_ms: float | None = None  # set for START_TRANSFER only
+    completion: Completion | None = None  # set for COMPLETE only: how the handoff ended

@@ -28,6 +28,7 @@ from handoff_server.model import (
     ActionKind,
     AlreadyExists,
     Canceled,
+    Completion,
     Fact,
     Failed,
     HandoffError,
@@ -57,6 +58,7 @@ FACT_KIND = {
     "Failed": "failed",
     "TimedOut": "timed_out",
     "Canceled": "canceled",
+    "EngineLost": "engine_lost",
 }
 
 
@@ -538,7 +540,7 @@ class Registry:
     ) -> tuple[Dispatch, ...]:
         core = entry.core
         checkpoint = core.checkpoint()
-        phase_before = core.phase
+        phase_before, completion_before = core.phase, core.completion
         events_before = len(entry.lifecycle_at)
         try:
             actions = call(core)
@@ -557,7 +559,7 @@ class Registry:
             self._acknowledge(entry, *acknowledged, now)
         self._stamp_lifecycle(entry, events_before, now)
         dispatches = tuple(self._route(entry, action, now) for action in actions)
-        self._after_transition(entry, phase_before, now)
+        self._after_transition(entry, phase_before, completion_before, now)
         self._fail_doomed()
         return dispatches
 
@@ -605,21 +607,25 @@ class Registry:
         # In a call's answer, a notice to both engines names neither.
         return Dispatch(entry.handoff_id, action, role, engines[0] if len(engines) == 1 else "")
 
-    def _after_transition(self, entry: Entry, phase_before: Phase, now: float) -> None:
+    def _after_transition(
+        self, entry: Entry, phase_before: Phase, completion_before: Completion | None, now: float
+    ) -> None:
         phase = entry.core.phase
-        if phase is phase_before:
+        # A lost decode reopens a successful handoff and completes it again
+        # within one call: COMPLETE to COMPLETE, but CANCELED now.
+        if phase is phase_before and entry.core.completion is completion_before:
             return
         self.metrics.handoffs_by[phase_before].dec()
         self.metrics.handoffs_by[phase].inc()
+        if phase_before is Phase.COMPLETE:
+            # The call ran on an Entry unpacked from the retained record;
+            # it replaces the record, which the retention queue skips.
+            self.metrics.reopened.inc()
+            self.handoffs[entry.handoff_id] = entry
+            self._retained_count -= 1
+            self._engage(entry, now)
+            log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
         if phase is Phase.CLEANING_UP:
-            if phase_before is Phase.COMPLETE:
-                # The call ran on an Entry unpacked from the retained record;
-                # it replaces the record, which the retention queue skips.
-                self.metrics.reopened.inc()
-                self.handoffs[entry.handoff_id] = entry
-                self._retained_count -= 1
-                self._engage(entry, now)
-                log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
             entry.cleanup_epoch = next(self._epochs)
             entry.redelivery_round = 0
             key = entry.handoff_id

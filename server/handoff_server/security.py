@@ -24,7 +24,7 @@ import grpc
 
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
-from handoff_server.model import Canceled, Fact, HandoffError
+from handoff_server.model import Canceled, EngineLost, Fact, HandoffError
 from handoff_server.registry import Entry, Retained
 
 # RFC 6750 b64token: what an `Authorization: Bearer` header can carry.
@@ -270,13 +270,13 @@ def authorize_report(
 
     An engine reports only for handoffs it takes part in, and outcomes only
     of actions addressed to it. A caller bound to no engine (a frontend) may
-    report Canceled, and nothing else.
+    report Canceled and EngineLost (a pod it knows died), and nothing else.
     """
     caller = CALLER.get()
     if caller is None:
         return
     if not caller.engines:
-        if isinstance(fact, Canceled):
+        if isinstance(fact, (Canceled, EngineLost)):
             return
         what = "outcomes" if action_id is not None else "this fact"
         raise PermissionDenied(f"{caller} is bound to no engine; only engines report {what}")
