@@ -30,6 +30,7 @@ async def test_the_engine_contract_example_runs(
     async with asyncio.timeout(TIMEOUT_S):
         handoff: Handoff = await module.main(f"127.0.0.1:{lean_server.port}")
     assert handoff.completion is Completion.SUCCESS
-    started, ended = capsys.readouterr().out.splitlines()
-    assert started == "already started: False"
-    assert ended.endswith(" prefill holds 0 blocks")
+    assert capsys.readouterr().out.splitlines() == [
+        "already started: False",
+        "Completion.SUCCESS prefill holds 0 blocks",
+    ]
