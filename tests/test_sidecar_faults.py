@@ -32,6 +32,7 @@ from handoff_client import (
     HandoffClient,
     Outcome,
     TransportKind,
+    new_incarnation,
 )
 from handoff_client.errors import FENCE_KEY, OlderIncarnationError
 from handoff_client.retry import Backoff, RetryPolicy
@@ -107,12 +108,21 @@ async def test_twin_sidecars_leave_no_generator_closed_while_running(
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _, context: errors.append(context))
     try:
-        one = EngineSidecar(client, SOURCE, ScriptedEngine(), reconnect_backoff=QUICK)
-        two = EngineSidecar(client, SOURCE, ScriptedEngine(), reconnect_backoff=QUICK)
+        # Misconfigured twins: one engine id, one incarnation, two sidecars.
+        incarnation = new_incarnation()
+        one, two = (
+            EngineSidecar(
+                client, SOURCE, ScriptedEngine(), reconnect_backoff=QUICK, incarnation=incarnation
+            )
+            for _ in range(2)
+        )
         async with one, two, asyncio.timeout(TIMEOUT_S):
-            await one.wait_subscribed()
-            await two.wait_subscribed()
-            # Each replaces (or, with fencing, is refused by) the other for a while.
+            waits = [asyncio.create_task(twin.wait_subscribed()) for twin in (one, two)]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waits:
+                wait.cancel()
+            # Whichever came second is refused while the first's stream is
+            # live (a server without sessions lets them replace each other).
             await asyncio.sleep(0.5)
         gc.collect()  # a destroyed pending task reports when it is collected
         await asyncio.sleep(0)

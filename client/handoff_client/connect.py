@@ -266,13 +266,13 @@ class _Stream:
         self.arrived.set()
 
     async def close(self) -> None:
-        # End the requests first, and let gRPC's writer see it: a call
-        # cancelled while its writer waits inside _outgoing leaves that
-        # generator running in a task that is then destroyed, and Python
-        # reports "aclose(): asynchronous generator is already running".
-        self._requests.put_nowait(None)
-        await asyncio.sleep(0)
         self.call.cancel()
+        # gRPC leaves its writer task waiting inside _outgoing; ending the
+        # requests lets it finish (otherwise the task is destroyed pending
+        # and Python reports "aclose(): asynchronous generator is already
+        # running"). After the cancel, so the server never sees a half-close
+        # (a clean end of the engine's stream).
+        self._requests.put_nowait(None)
         if self._reader is not None:
             self._reader.cancel()
             # wait(), not a bare await: the reader's CancelledError stays
