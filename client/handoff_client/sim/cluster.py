@@ -72,10 +72,18 @@ class Cluster:
         self.restarted: list[str] = []
         self.doomed = self._pick_doomed(faults.dead_engines, rng)
         healthy = [n for n in self.nodes if n not in self.doomed]
-        chosen = rng.sample(healthy, faults.slow_engines + faults.restarted_engines)
-        for node in chosen[: faults.slow_engines]:
+        slow = rng.sample(healthy, faults.slow_engines)
+        for node in slow:
             node.engine.slowdown = faults.slow_factor
-        self.to_restart = chosen[faults.slow_engines :]
+        # Prefill engines restart: a decode's handoffs are mostly complete
+        # (the decode owns them), a prefill's are still under way.
+        prefills = [n for n in healthy if n not in slow and n.role is Role.SOURCE]
+        if faults.restarted_engines > len(prefills):
+            raise ValueError(
+                f"cannot restart {faults.restarted_engines} prefill engines: "
+                f"{len(prefills)} neither die nor are slow"
+            )
+        self.to_restart = rng.sample(prefills, faults.restarted_engines)
         steady = [n for n in healthy if n not in self.to_restart]
         self.to_stick = rng.choice(steady) if faults.stuck_handlers and steady else None
 
