@@ -91,6 +91,7 @@ class Authority:
         dns: tuple[str, ...] = (),
         uris: tuple[str, ...] = (),
         ips: tuple[str, ...] = (),
+        emails: tuple[str, ...] = (),
         server: bool = False,
     ) -> Issued:
         key = ec.generate_private_key(ec.SECP256R1())
@@ -98,6 +99,7 @@ class Authority:
         sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
         sans += [x509.UniformResourceIdentifier(u) for u in uris]
         sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
+        sans += [x509.RFC822Name(e) for e in emails]
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (
             x509.CertificateBuilder()
@@ -181,3 +183,10 @@ def secure_channel(
             credentials, grpc.access_token_call_credentials(token)
         )
     return grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials)
+
+
+def docs_block(language: str) -> str:
+    """The one ```language code block of docs/limits.md, which tests load as written."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "limits.md").read_text()
+    (block,) = [part.split("```", 1)[0] for part in text.split(f"```{language}\n")[1:]]
+    return block

@@ -4,20 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server import guard, servicer
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.guard import MAX_UNACKED_REPORTS
+from handoff_server.metrics import Metrics
+from handoff_server.registry import Registry
+from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.conftest import StartServer
+from tests.fuzz_support import REFUSAL_NUMBERS
 from tests.grpc_support import StreamRecorder
 from tests.security_support import Stub
 
@@ -147,15 +157,38 @@ async def hello_then_wait(engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
     await asyncio.Event().wait()  # keeps the stream open until it is canceled
 
 
+async def reflecting(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall[Any, Any]:
+    """A reflection stream, open once its first answer arrived: a call of the
+    service's that stays in flight and belongs to no engine."""
+
+    async def requests() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+        await asyncio.Event().wait()  # held open until canceled
+
+    call: grpc.aio.StreamStreamCall[Any, Any] = reflection_pb2_grpc.ServerReflectionStub(
+        channel
+    ).ServerReflectionInfo(requests())
+    first = await call.read()
+    assert isinstance(first, reflection_pb2.ServerReflectionResponse)
+    assert first.HasField("list_services_response")
+    return call
+
+
 async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer) -> None:
     server = await start_server(max_concurrent_rpcs=3, max_engines=2)
     async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
         stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
-        held = [await watching(channel) for _ in range(3)]
-        assert await code_of(stub.StartHandoff(start_request())) is (
-            grpc.StatusCode.RESOURCE_EXHAUSTED
+        held = [await reflecting(channel) for _ in range(3)]
+        refused = stub.StartHandoff(start_request())
+        assert await code_of(refused) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await refused.details() == (
+            "3 calls already in flight, the limit (max_concurrent_rpcs)"
         )
         assert server.registry.handoffs == {}
+        # Health has a budget of its own: the service's load never fails a probe.
+        health = health_pb2_grpc.HealthStub(channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest())
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
         held.pop().cancel()
         # The server frees the slot once it has seen the cancellation, which
         # no event announces: retry, as a client would after RESOURCE_EXHAUSTED.
@@ -170,6 +203,114 @@ async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer)
         for call in held:
             call.cancel()
     assert len(server.registry.handoffs) == 1
+
+
+async def test_calls_per_identity_are_capped_and_an_engine_s_streams_count_once(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("busy busy-token-0123456789\nother other-token-012345678\n")
+    server = await start_server(token_file=str(tokens), max_calls_per_identity=2)
+    busy = (("authorization", "Bearer busy-token-0123456789"),)
+    other = (("authorization", "Bearer other-token-012345678"),)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        first = stub.StreamActions(pb.StreamActionsRequest(engine_id="e1"), metadata=busy)
+        await first.initial_metadata()
+        second = stub.Connect(hello_then_wait("e2"), metadata=busy)
+        await second.initial_metadata()
+        refused = stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4())), metadata=busy)
+        assert await code_of(refused) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await refused.details() == (
+            "token busy has 2 calls in flight, the limit per identity (max_calls_per_identity)"
+        )
+        # Another identity is not affected.
+        lookup = stub.GetHandoff(pb.GetHandoffRequest(handoff_id=str(uuid.uuid4())), metadata=other)
+        assert await code_of(lookup) is grpc.StatusCode.NOT_FOUND
+        # A stream replacing the same engine's stream is admitted, and the
+        # two (while they overlap) count once.
+        again = stub.StreamActions(pb.StreamActionsRequest(engine_id="e1"), metadata=busy)
+        await again.initial_metadata()
+        assert [action async for action in first] == []  # replaced: it ended, OK
+        usage = server.quotas.usage("token busy")
+        assert usage is not None
+        assert usage.held() == 2
+        again.cancel()
+        second.cancel()
+        await server.engine_streams.wait_until(lambda live: not live)
+    assert server.quotas.usage("token busy") is None  # nothing held, nothing kept
+
+
+async def test_a_connect_stream_without_its_hello_is_ended(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(guard, "HELLO_WITHIN_S", 0.2)
+    server = await start_server()
+    async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+
+        async def nothing() -> AsyncIterator[pb.ConnectRequest]:
+            await asyncio.Event().wait()
+            yield pb.ConnectRequest()  # pragma: no cover (never reached)
+
+        silent = stub.Connect(nothing())
+        assert await silent.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await silent.details() == "no hello within 0.2 s of opening the stream"
+
+
+async def test_health_calls_have_their_own_budget_apart_from_the_service(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(max_health_watches=2, max_health_checks=1, health_port=0)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        channel_to(server) as channel,
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as health_channel,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        for port_channel in (channel, health_channel):
+            held = [await watching(port_channel) for _ in range(2)]
+            health = health_pb2_grpc.HealthStub(port_channel)
+            refused = health.Watch(health_pb2.HealthCheckRequest())
+            assert await refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await refused.details() == (
+                "2 health watches already in flight, the limit (max_health_watches)"
+            )
+            # Watchers take neither a probe's place nor the service's.
+            answer = await health.Check(health_pb2.HealthCheckRequest())
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            await stub.StartHandoff(start_request())
+            for call in held:
+                call.cancel()
+    assert len(server.registry.handoffs) == 2
+
+
+async def test_a_health_call_without_its_request_is_ended(start_server: StartServer) -> None:
+    server = await start_server(health_request_within_s=0.2, max_health_checks=1, health_port=0)
+    for port in (server.port, server.health_port):
+        async with (
+            asyncio.timeout(TIMEOUT_S),
+            grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel,
+        ):
+            # Headers, then nothing: the shape of a unary call whose request never comes.
+            silent = channel.stream_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )(hold_open())
+            assert await silent.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert await silent.details() == (
+                "health: no request within 0.2 s (health_request_within_s)"
+            )
+            # Its slot is free again: the one check allowed is answered.
+            health = health_pb2_grpc.HealthStub(channel)
+            answer = await health.Check(health_pb2.HealthCheckRequest())
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def hold_open() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+    await asyncio.Event().wait()  # sends nothing until the call is canceled
+    yield health_pb2.HealthCheckRequest()  # pragma: no cover (never reached)
 
 
 async def test_streams_per_connection_are_capped_and_the_rest_wait(
@@ -346,3 +487,117 @@ def test_limits_that_cannot_work_are_refused() -> None:
         Settings(max_concurrent_rpcs=10, max_engines=10)
     with pytest.raises(ValueError, match="keepalive_time_s and keepalive_timeout_s must be > 0"):
         Settings(keepalive_time_s=0)
+
+
+MESSAGE_LIMIT = 65536  # the default max_message_bytes
+
+
+def report_messages() -> st.SearchStrategy[pb.ConnectRequest]:
+    """Connect messages of many small reports or fewer large ones, many at or
+    near the default message size limit."""
+    counts = st.one_of(
+        st.integers(0, 2 * MAX_REPORTS_PER_MESSAGE),
+        st.integers(MAX_REPORTS_PER_MESSAGE - 2, MAX_REPORTS_PER_MESSAGE + 2),
+        st.integers(20_000, 32_767),
+    )
+
+    def build(count: int, id_length: int, kinds: list[str]) -> pb.ConnectRequest:
+        message = pb.ConnectRequest()
+        for index in range(count):
+            report = message.reports.add(request_id=index)
+            kind = kinds[index % len(kinds)]
+            if kind == "fact":
+                report.fact.handoff_id = "f" * id_length
+                report.fact.fact.canceled.SetInParent()
+            elif kind == "outcome":
+                report.outcome.handoff_id = str(uuid.UUID(int=index))
+                report.outcome.action_id = index
+            # "empty": a report with neither, refused in its ack
+        return message
+
+    kinds = st.lists(st.sampled_from(["fact", "outcome", "empty"]), min_size=1, max_size=3)
+    return st.builds(build, counts, st.integers(0, 600), kinds)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(message=report_messages())
+async def test_connect_messages_at_the_size_limit_are_refused_or_answered_within_the_caps(
+    lean_server: Server, message: pb.ConnectRequest
+) -> None:
+    reports = len(message.reports)
+    async with asyncio.timeout(TIMEOUT_S), channel_to(lean_server) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+
+        async def requests() -> AsyncIterator[pb.ConnectRequest]:
+            yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id="fuzzed", batch=True))
+            yield message
+
+        call = stub.Connect(requests())
+        acks = [ack async for response in _until_end(call) for ack in response.acks]
+        code = await call.code()
+    if message.ByteSize() > MESSAGE_LIMIT:
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert acks == []
+    elif reports > MAX_REPORTS_PER_MESSAGE:
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_reports_per_message" in (await call.details() or "")
+        assert acks == []  # refused before any report was handled
+    else:
+        assert code is grpc.StatusCode.OK
+        # A message with no report at all is acknowledged (as refused) too.
+        assert [ack.request_id for ack in acks] == (list(range(reports)) or [0])
+        assert {ack.code for ack in acks} <= REFUSAL_NUMBERS | {0}
+    assert lean_server.registry.handoffs == {}
+
+
+async def _until_end(
+    call: grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse],
+) -> AsyncIterator[pb.ConnectResponse]:
+    """The call's responses until it ends, whatever its status."""
+    while True:
+        try:
+            response = await call.read()
+        except grpc.aio.AioRpcError:
+            return
+        if not isinstance(response, pb.ConnectResponse):
+            return  # grpc.aio.EOF: the call ended well
+        yield response
+
+
+async def test_acks_queued_for_a_connect_stream_are_bounded_in_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader stops handling a stream's reports once the acks waiting to
+    be written weigh more than the bound, and goes on once they are taken."""
+    monkeypatch.setattr(servicer, "MAX_OWED_BYTES", 1000)
+    registry = Registry(Settings(), Metrics(), time.monotonic)
+    service = servicer.Servicer(registry, Metrics())
+    message = pb.ConnectRequest()
+    for number in range(MAX_REPORTS_PER_MESSAGE):
+        report = message.reports.add(request_id=number)
+        report.fact.handoff_id = str(uuid.uuid4())  # unknown: each ack carries an error
+        report.fact.fact.timed_out.SetInParent()
+
+    async def requests() -> AsyncIterator[pb.ConnectRequest]:
+        yield message
+
+    owed = servicer.Owed(batch=True, lean_acks=False)
+    ready = asyncio.Event()
+    async with asyncio.timeout(TIMEOUT_S):
+        reader = asyncio.create_task(service._read_reports("e", requests(), owed, ready))
+        await ready.wait()  # set when the bound is reached, the writer being wanted
+        assert not reader.done()
+        (queued,) = owed.responses([])
+        one_ack = len(queued.acks[0].message)
+        assert 1000 < sum(len(ack.message) for ack in queued.acks) <= 1000 + one_ack
+        written = len(queued.acks)
+        while not reader.done():
+            ready.clear()
+            await ready.wait()
+            written += sum(len(m.acks) for m in owed.responses([]))
+        await reader
+    assert written == MAX_REPORTS_PER_MESSAGE

@@ -203,6 +203,29 @@ def test_unacknowledged_cleanup_is_redelivered_with_backoff_then_abandoned(
     assert getattr(record, "handoff_id") == handoff_id  # noqa: B009
 
 
+def test_a_burst_of_abandonments_is_one_line_then_one_summary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Harness(cleanup_redelivery_s=100.0, cleanup_timeout_s=60.0)
+    handoff_ids = [h.start() for _ in range(50)]
+    for handoff_id in handoff_ids:
+        h.registry.report_fact(handoff_id, Canceled())  # nobody acknowledges the cancels
+    with caplog.at_level(logging.ERROR, logger="handoff.registry"):
+        h.advance(60.0)  # all fifty abandoned at once
+        assert h.value("handoff_abandoned_total") == 50
+        (first,) = [r.getMessage() for r in caplog.records]
+        assert first.startswith("abandoning handoff still cleaning up after 60 s")
+        # The summary is owed a second later, and the timer loop wakes for it.
+        assert h.registry.next_wakeup() == h.clock.now + 1.0
+        h.advance(1.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        first,
+        f"49 more handoffs abandoned in the 1 s after the first "
+        f"({handoff_ids[1]}, {handoff_ids[2]}, {handoff_ids[3]}, ...)",
+    ]
+    assert all(r.levelno == logging.ERROR for r in caplog.records)
+
+
 def test_retention_answers_late_reports_and_blocks_id_reuse_until_it_expires() -> None:
     h = Harness(retention_s=600.0)
     handoff_id = h.start()

@@ -1,9 +1,9 @@
 """Engine identity over mutual TLS: certificate SANs bound to engine ids.
 
-An engine may subscribe, report facts and report outcomes only as itself and
-only for its own handoffs; a certificate bound to no engine (a frontend) may
-start, read and cancel. Everything else is PERMISSION_DENIED and changes
-nothing.
+An engine may subscribe, report facts and report outcomes only as itself,
+only for its own handoffs, and only the facts its role proves; a certificate
+bound to no engine (a frontend) may start, read, cancel, fail, time out and
+report a lost engine. Everything else is PERMISSION_DENIED and changes nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.config import Settings
-from handoff_server.security import SecurityConfigError
+from handoff_server.security import EngineIdentities, SecurityConfigError
 from tests.conftest import StartServer
 from tests.grpc_support import (
     ACCEPTED,
@@ -37,12 +37,22 @@ from tests.grpc_support import (
     ConnectEngine,
     StreamRecorder,
 )
-from tests.security_support import DECODE_SAN, PREFILL_SAN, Pki, Stub, make_pki, secure_channel
+from tests.security_support import (
+    DECODE_SAN,
+    PREFILL_SAN,
+    Pki,
+    Stub,
+    docs_block,
+    make_pki,
+    secure_channel,
+)
 
 TIMEOUT_S = 10.0
 PREFILL = "prefill-0"
 DECODE = "decode-0"
 DENIED = grpc.StatusCode.PERMISSION_DENIED
+FAILED = pb.Fact(failed=pb.Failed(reason="kv transfer broke"))
+TIMED_OUT = pb.Fact(timed_out=pb.TimedOut())
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +267,8 @@ async def test_a_certificate_from_another_ca_cannot_claim_an_engine(
         ('{"bad id!": ["x"]}', "is not an engine id"),
         ('{"prefill-0": []}', "needs a SAN"),
         ('{"prefill-0": [""]}', "needs a SAN"),
+        ('{"prefill-0": ["email:p@engines"]}', "email SANs do not identify an engine"),
+        ('{"prefill-0": ["DNS:"]}', "empty DNS SAN"),
     ],
 )
 async def test_unusable_identity_files_stop_the_start(
@@ -271,3 +283,102 @@ async def test_unusable_identity_files_stop_the_start(
     )
     with pytest.raises(SecurityConfigError, match=message):
         await Server(settings).start()
+
+
+async def test_each_fact_only_from_the_role_that_proves_it(callers: Callers) -> None:
+    """Authorization by role and kind of fact, around the state machine: each
+    refused report changes nothing, and the allowed one then goes through."""
+    frontend, prefill, decode = callers.frontend, callers.prefill, callers.decode
+    async with asyncio.timeout(TIMEOUT_S):
+        handoff_id = (await frontend.StartHandoff(start_request())).handoff.handoff_id
+        await outcome(prefill, handoff_id, 0, SUBMITTED)
+        before = await snapshot(frontend, handoff_id)
+        # SourceHeld: only the source.
+        for stub in (decode, frontend):
+            await denied(fact(stub, handoff_id, HELD))
+        details = await denied(fact(decode, handoff_id, HELD))
+        assert details.endswith(f"may not report SourceHeld: only {PREFILL} may"), details
+        assert await snapshot(frontend, handoff_id) == before
+        await fact(prefill, handoff_id, HELD)
+        await outcome(decode, handoff_id, 1, ACCEPTED)
+        # DestinationReserved: only the destination.
+        for stub in (prefill, frontend):
+            await denied(fact(stub, handoff_id, RESERVED))
+        await fact(decode, handoff_id, RESERVED)
+        await outcome(prefill, handoff_id, 2, SCHEDULED)
+        # TransferCompleted: only the transfer's executor (here the source).
+        for stub in (decode, frontend):
+            await denied(fact(stub, handoff_id, TRANSFERRED))
+        # TimedOut and EngineLost: only the frontend (the server reports its own).
+        lost = pb.Fact(engine_lost=pb.EngineLost(role=pb.ROLE_DESTINATION))
+        for stub in (prefill, decode):
+            for message in (TIMED_OUT, lost):
+                details = await denied(fact(stub, handoff_id, message))
+                assert "only no engine (the frontend's or the server's to report) may" in details
+        await fact(prefill, handoff_id, TRANSFERRED)
+        timed_out = await fact(frontend, handoff_id, TIMED_OUT)
+        assert timed_out.handoff.phase in (pb.PHASE_CLEANING_UP, pb.PHASE_COMPLETE)
+        # Failed and Canceled: either engine or the frontend.
+        for stub in (frontend, prefill, decode):
+            for message in (FAILED, CANCELED):
+                started = await frontend.StartHandoff(start_request())
+                await fact(stub, started.handoff.handoff_id, message)
+
+
+async def test_sans_are_matched_by_type(
+    start_server: StartServer, pki: Pki, tmp_path: Path
+) -> None:
+    """A URI SAN spelled like the identity file's DNS name, or an email SAN,
+    does not make its holder that engine."""
+    path = tmp_path / "engines.json"
+    path.write_text(json.dumps({PREFILL: ["DNS:prefill-0.typed"], DECODE: ["URI:decode-0.typed"]}))
+    server = await start_server(**pki.tls_settings(mutual=True), engine_identity_file=str(path))
+    impostors = {
+        "uri-as-dns": pki.ca.issue("uri-as-dns", uris=("prefill-0.typed",)),
+        "dns-as-uri": pki.ca.issue("dns-as-uri", dns=("decode-0.typed",)),
+        "email": pki.ca.issue("email", emails=("prefill-0.typed@example.com",)),
+    }
+    genuine = pki.ca.issue("genuine", dns=("prefill-0.typed",))
+    async with asyncio.timeout(TIMEOUT_S):
+        for name, issued in impostors.items():
+            async with secure_channel(server.port, pki.ca.cert, issued) as channel:
+                stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+                for engine_id in (PREFILL, DECODE):
+                    call = stub.StreamActions(pb.StreamActionsRequest(engine_id=engine_id))
+                    assert await call.code() is DENIED, name
+        async with secure_channel(server.port, pki.ca.cert, genuine) as channel:
+            stub = pb_grpc.HandoffCoordinatorStub(channel)
+            engine = StreamRecorder(stub, PREFILL)
+            await engine.subscribed()
+            await engine.close()
+
+
+def test_the_identity_file_in_the_docs_binds_typed_sans() -> None:
+    identities = EngineIdentities.parse(docs_block("json"), "docs/limits.md")
+    assert identities.engines_for([("DNS", "prefill-0.engines.svc")]) == {"prefill-0"}
+    assert identities.engines_for([("URI", "prefill-0.engines.svc")]) == frozenset()
+    decode = ("URI", "spiffe://cluster.local/ns/serving/sa/decode-0")
+    assert identities.engines_for([decode]) == {"decode-0"}
+
+
+async def test_a_client_certificate_s_san_is_its_identity_for_the_limits(
+    start_server: StartServer, pki: Pki
+) -> None:
+    server = await start_server(**pki.tls_settings(mutual=True), max_starts_per_s_per_identity=0.2)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        secure_channel(server.port, pki.ca.cert, pki.client) as frontend_channel,
+        secure_channel(server.port, pki.ca.cert, pki.prefill) as other_channel,
+    ):
+        frontend: Stub = pb_grpc.HandoffCoordinatorStub(frontend_channel)
+        other: Stub = pb_grpc.HandoffCoordinatorStub(other_channel)
+        await frontend.StartHandoff(start_request())  # a burst of one; the next in 5 s
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await frontend.StartHandoff(start_request())
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == (
+            "certificate DNS:router.frontend starts more than 0.2 handoffs per second, "
+            "the limit per identity (max_starts_per_s_per_identity)"
+        )
+        await other.StartHandoff(start_request())  # another certificate has its own
+    assert len(server.registry.handoffs) == 2

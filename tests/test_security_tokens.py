@@ -24,7 +24,7 @@ from handoff_server.config import Settings
 from handoff_server.security import SecurityConfigError, TokenSet
 from tests.conftest import StartServer
 from tests.grpc_support import DESTINATION, SOURCE
-from tests.security_support import Stub
+from tests.security_support import Stub, docs_block
 
 TIMEOUT_S = 10.0
 OLD = "old-token-0123456789abcdef"
@@ -159,7 +159,7 @@ async def test_every_accepted_token_works_during_a_rotation(
     assert len(guarded.registry.handoffs) == 4
 
 
-async def test_health_is_exempt_and_reflection_is_not(
+async def test_health_check_is_exempt_and_watch_and_reflection_are_not(
     guarded: Server, channel: grpc.aio.Channel
 ) -> None:
     health = health_pb2_grpc.HealthStub(channel)
@@ -167,6 +167,12 @@ async def test_health_is_exempt_and_reflection_is_not(
     async with asyncio.timeout(TIMEOUT_S):
         answer = await health.Check(health_pb2.HealthCheckRequest())
         assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        # A Watch stays open: without a token, anyone could hold them by the thousand.
+        watch = health.Watch(health_pb2.HealthCheckRequest())
+        assert await watch.code() is grpc.StatusCode.UNAUTHENTICATED
+        watch = health.Watch(health_pb2.HealthCheckRequest(), metadata=bearer(OLD))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
         listing = reflection.ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")])
         )
@@ -269,7 +275,10 @@ def write_file(path: Path, text: str) -> str:
         ("short", None, "shorter than 16"),
         ("has space in it 0123456789", None, "characters a bearer token cannot carry"),
         ("", "# only a comment\n\n", "hold no token"),
-        ("", f"{OLD}\nbad\ttoken-0123456789abc\n", "token 2 has characters"),
+        ("", f"{OLD}\nbad!token-0123456789abc\n", "token 2 has characters"),
+        ("", f"router {OLD} start,fly\n", "unknown scope fly"),
+        ("", f"router {OLD}\nrouter {NEW}\n", "token names must differ: router"),
+        ("", f"a/b {OLD}\n", "its name must be 1-64 characters"),
     ],
 )
 async def test_unusable_tokens_stop_the_start(
@@ -287,11 +296,50 @@ async def test_unusable_tokens_stop_the_start(
 
 
 def test_readme_security_section_lists_every_security_flag() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """Each flag is in the README's Security section or in docs/limits.md (every limit)."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
     section = readme.partition("## Security")[2].partition("\n## ")[0]
     assert section, "README.md has no '## Security' section"
+    section += (root / "docs" / "limits.md").read_text()
     names = [f.name for f in dataclasses.fields(Settings)]
     # The security settings are one block, tls_cert to health_port.
     security_settings = names[names.index("tls_cert") : names.index("health_port") + 1]
     for name in [*security_settings, "metrics_host", "max_queued_actions_per_engine"]:
         assert "--" + name.replace("_", "-") in section, name
+
+
+async def test_a_named_token_may_call_only_what_its_scopes_allow(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"ops {OLD} read\nrouter {NEW} start,report,read\n")
+    server = await start_server(token_file=str(token_file))
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StartHandoff(start_request(), metadata=bearer(OLD))
+        assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert refused.value.details() == "token ops may not call StartHandoff (its scopes: read)"
+        started = await stub.StartHandoff(start_request(), metadata=bearer(NEW))
+        lookup = pb.GetHandoffRequest(handoff_id=started.handoff.handoff_id)
+        assert (await stub.GetHandoff(lookup, metadata=bearer(OLD))).handoff == started.handoff
+        engine = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE), metadata=bearer(NEW))
+        assert await engine.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert len(server.registry.handoffs) == 1
+
+
+def test_the_token_file_in_the_docs_loads_with_its_names_and_scopes(tmp_path: Path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text(docs_block("text"))
+    loaded = security.load_tokens(Settings(token_file=str(token_file)))
+    assert loaded is not None
+    router = loaded.identify("rtr-7f3c9a1e5b2d4c6a8e0f")
+    assert router == security.Token("router", frozenset({"start", "report", "read"}))
+    ops = loaded.identify("ops-00112233445566778899")
+    assert ops is not None
+    assert not ops.may_call("StartHandoff")
+    assert ops.may_call("GetHandoff")

@@ -6,20 +6,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import security
 from handoff_server.config import Settings
+from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EngineStreams, Guard, grpc_options
 from handoff_server.metrics import Metrics
+from handoff_server.probes import HealthGate
+from handoff_server.quotas import Budget, Quotas
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
 
@@ -50,9 +51,17 @@ class Server:
         self.metrics_port = 0
         self.health_port = 0
         self.engine_streams = EngineStreams(settings.max_engines)
+        self.service_calls = Budget("calls", settings.max_concurrent_rpcs, "max_concurrent_rpcs")
+        self.quotas = Quotas(
+            calls=settings.max_calls_per_identity,
+            active=settings.max_active_handoffs_per_identity,
+            starts_per_s=settings.max_starts_per_s_per_identity,
+            clock=self.clock,
+        )
+        self.registry.on_finished(self.quotas.finished)
         self._grpc: grpc.aio.Server | None = None
         self._health_grpc: grpc.aio.Server | None = None
-        self._metrics_server: Callable[[], None] | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
         self._timers: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self.registry.on_idle(self._idle.set)
@@ -66,19 +75,25 @@ class Server:
         guard = Guard(
             metrics=self.metrics,
             streams=self.engine_streams,
+            calls=self.service_calls,
+            quotas=self.quotas,
             tokens=tokens,
             exempt=tuple(p.strip() for p in settings.auth_exempt_methods.split(",") if p.strip()),
             identities=identities,
+            client_certificates=bool(settings.tls_client_ca),
         )
         server = grpc.aio.server(
             interceptors=(guard,),
             options=grpc_options(settings),
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            # The guard and the health gate count calls by kind; this is
+            # gRPC's backstop for calls that never reach either (a unary
+            # call whose request never arrives), above both their limits.
+            maximum_concurrent_rpcs=2 * (settings.max_concurrent_rpcs + self._health_calls()),
         )
         pb_grpc.add_HandoffCoordinatorServicer_to_server(
             Servicer(self.registry, self.metrics), server
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_generic_rpc_handlers((self._health_gate().handler(),))
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -101,16 +116,9 @@ class Server:
             await health_server.start()
             self._health_grpc = health_server
         if settings.metrics_port >= 0:
-            http, thread = start_http_server(
-                settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
-            )
-            self.metrics_port = http.server_port
-
-            def stop_metrics() -> None:
-                http.shutdown()
-                thread.join()
-
-            self._metrics_server = stop_metrics
+            endpoint = MetricsEndpoint(self.metrics.registry)
+            self.metrics_port = await endpoint.start(settings.metrics_host, settings.metrics_port)
+            self._metrics_endpoint = endpoint
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._timers = asyncio.create_task(self._run_timers(), name="handoff-timers")
@@ -129,7 +137,7 @@ class Server:
             settings.host,
             self.port,
             f"metrics on {settings.metrics_host}:{self.metrics_port}"
-            if self._metrics_server is not None
+            if self._metrics_endpoint is not None
             else "metrics off",
         )
         if self._health_grpc is not None:
@@ -143,15 +151,34 @@ class Server:
         serving status is no secret. Bound here, started with the main port."""
         settings = self.settings
         server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", 1024)], maximum_concurrent_rpcs=64
+            options=[
+                ("grpc.max_receive_message_length", 1024),
+                # A probe opens a connection per check: few calls per connection
+                # make a crowd of calls cost a crowd of connections.
+                ("grpc.max_concurrent_streams", 8),
+            ],
+            maximum_concurrent_rpcs=2 * self._health_calls(),
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        server.add_generic_rpc_handlers((self._health_gate().handler(),))
         self.health_port = server.add_insecure_port(
             f"{settings.health_host}:{settings.health_port}"
         )
         if self.health_port == 0:
             raise OSError(f"cannot bind health on {settings.health_host}:{settings.health_port}")
         return server
+
+    def _health_gate(self) -> HealthGate:
+        """Health for one port, on budgets of that port's own."""
+        settings = self.settings
+        return HealthGate(
+            self.health,
+            checks=settings.max_health_checks,
+            watches=settings.max_health_watches,
+            request_within_s=settings.health_request_within_s,
+        )
+
+    def _health_calls(self) -> int:
+        return self.settings.max_health_checks + self.settings.max_health_watches
 
     async def _run_timers(self) -> None:
         """Sleep until the registry's next timer (or an earlier one appears), then fire."""
@@ -199,6 +226,6 @@ class Server:
             await self._grpc.stop(grace=1.0)
         if self._health_grpc is not None:
             await self._health_grpc.stop(grace=None)
-        if self._metrics_server is not None:
-            self._metrics_server()
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.stop()
         log.info("stopped")

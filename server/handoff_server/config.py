@@ -68,7 +68,9 @@ class Settings:
         "", "PEM CA bundle; clients must present a certificate it signed (mutual TLS)"
     )
     token_file: str = _setting(
-        "", "file of accepted bearer tokens, one per line ('#' starts a comment)"
+        "",
+        "file of accepted bearer tokens, one per line: NAME TOKEN [SCOPE,...] "
+        "(docs/limits.md; a bare TOKEN still works; '#' starts a comment)",
     )
     # Not in repr: Settings may be logged, and this holds secrets.
     tokens: str = field(
@@ -80,13 +82,13 @@ class Settings:
         },
     )
     auth_exempt_methods: str = _setting(
-        "/grpc.health.v1.Health/",
+        "/grpc.health.v1.Health/Check",
         "comma-separated gRPC method prefixes callable without a token ('' for none)",
     )
     engine_identity_file: str = _setting(
         "",
-        "JSON object: engine id -> list of client-certificate SANs that may act for it "
-        "(needs --tls-client-ca)",
+        "JSON object: engine id -> list of client-certificate SANs (DNS:name or URI:uri) "
+        "that may act for it (needs --tls-client-ca)",
     )
     max_message_bytes: int = _setting(
         65536, "largest request message accepted, in bytes; larger ones get RESOURCE_EXHAUSTED"
@@ -95,7 +97,9 @@ class Settings:
         1000, "calls in flight per client connection (HTTP/2 streams); more wait at the client"
     )
     max_concurrent_rpcs: int = _setting(
-        10_000, "calls in flight server-wide, engine streams included; past it RESOURCE_EXHAUSTED"
+        10_000,
+        "the service's calls in flight (health has its own), engine streams included; "
+        "past it RESOURCE_EXHAUSTED",
     )
     max_engines: int = _setting(
         1000, "engines with a live action stream at most; a new engine past it is refused"
@@ -114,6 +118,26 @@ class Settings:
     )
     max_connection_age_grace_s: float = _setting(
         30.0, "then give its calls this long to finish before they are cut, in seconds"
+    )
+    max_calls_per_identity: int = _setting(
+        1000,
+        "calls in flight per caller identity (token name or certificate SAN); an engine's "
+        "streams count once per engine id",
+    )
+    max_active_handoffs_per_identity: int = _setting(
+        20_000, "handoffs not yet complete that one caller identity started, at most"
+    )
+    max_starts_per_s_per_identity: float = _setting(
+        1000.0, "StartHandoff calls per second per caller identity (bursts of one second's worth)"
+    )
+    max_health_checks: int = _setting(
+        32, "health Check calls in flight per port, apart from the service's calls"
+    )
+    max_health_watches: int = _setting(
+        16, "health Watch streams per port, apart from the service's calls and the checks"
+    )
+    health_request_within_s: float = _setting(
+        1.0, "end a health call whose request has not arrived within this, in seconds"
     )
     health_host: str = _setting("0.0.0.0", "address the plaintext health port binds")
     health_port: int = _setting(
@@ -154,6 +178,10 @@ class Settings:
             "max_concurrent_streams",
             "max_concurrent_rpcs",
             "max_engines",
+            "max_health_checks",
+            "max_health_watches",
+            "max_calls_per_identity",
+            "max_active_handoffs_per_identity",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -166,6 +194,10 @@ class Settings:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.engine_identity_file and not self.tls_client_ca:
             raise ValueError("engine_identity_file needs mutual TLS (tls_client_ca)")
+        if self.max_starts_per_s_per_identity == 0:
+            raise ValueError("max_starts_per_s_per_identity must be > 0")
+        if self.health_request_within_s == 0:
+            raise ValueError("health_request_within_s must be > 0")
         if self.keepalive_time_s == 0 or self.keepalive_timeout_s == 0:
             raise ValueError("keepalive_time_s and keepalive_timeout_s must be > 0")
 

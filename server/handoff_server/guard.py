@@ -1,7 +1,9 @@
-"""The interceptor in front of every call: tokens, undecodable input, stream limits.
+"""The interceptor in front of every call: tokens, undecodable input, call and stream limits.
 
 For every RPC it checks the bearer token (unless the method is exempt, like
-health). For the coordinator's own RPCs it also wraps the handler:
+health's Check). For every RPC but health's (which has budgets of its own,
+see :mod:`handoff_server.probes`) it counts the call against
+``max_concurrent_rpcs``. For the coordinator's own RPCs it also wraps the handler:
 
 - a request that does not decode gets INVALID_ARGUMENT (gRPC's own answer
   would be UNKNOWN, with the parser's exception in the message);
@@ -21,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -31,14 +34,21 @@ from handoff_server import security
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
 from handoff_server.metrics import RPCS, Metrics
-from handoff_server.security import EngineIdentities, TokenSet
-from handoff_server.servicer import reports_of
+from handoff_server.probes import SERVICE as HEALTH_SERVICE
+from handoff_server.quotas import Budget, Quotas
+from handoff_server.security import EngineIdentities, Token, TokenSet
+from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE, reports_of
 
 log = logging.getLogger("handoff.guard")
 
 SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name + "/"
-# Connect reports read but not yet acknowledged to the peer, per stream.
-MAX_UNACKED_REPORTS = 128
+HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
+# A Connect stream's hello must arrive within this; until it does, the stream
+# is counted server-wide only (its identity's count needs the engine id).
+HELLO_WITHIN_S = 10.0
+# Connect reports read but not yet acknowledged to the peer, per stream: at
+# least one message's worth, so that a full message is never held back alone.
+MAX_UNACKED_REPORTS = MAX_REPORTS_PER_MESSAGE
 
 # grpc's handler objects are untyped at this level: behaviours take and
 # return messages of whichever type the method has.
@@ -125,15 +135,21 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         *,
         metrics: Metrics,
         streams: EngineStreams,
+        calls: Budget,
+        quotas: Quotas,
         tokens: TokenSet | None = None,
         exempt: tuple[str, ...] = (),
         identities: EngineIdentities | None = None,
+        client_certificates: bool = False,
     ) -> None:
         self.metrics = metrics
         self.streams = streams
+        self.calls = calls
+        self.quotas = quotas
         self.tokens = tokens
         self.exempt = exempt
         self.identities = identities
+        self.client_certificates = client_certificates
         # Method -> (handler found, its wrapper): gRPC looks handlers up on
         # every call and finds the same object each time; wrap it once.
         self._wrapped: dict[str, tuple[Handler, Handler]] = {}
@@ -145,22 +161,33 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     ) -> Handler:
         method = handler_call_details.method
         if self.tokens is not None and not method.startswith(self.exempt):
-            problem = security.bearer_problem(
+            holder = security.authenticate(
                 self.tokens, handler_call_details.invocation_metadata or ()
             )
-            if problem is not None:
+            if isinstance(holder, str):
                 # Refused before the method is even looked up: an unknown
                 # method gets the same answer, and nothing of the request
                 # is read or parsed.
                 self._count(method, grpc.StatusCode.UNAUTHENTICATED)
-                return _refusal(grpc.StatusCode.UNAUTHENTICATED, problem)
+                return _refusal(grpc.StatusCode.UNAUTHENTICATED, holder)
+            rpc = method.removeprefix(SERVICE_PREFIX)
+            if not holder.may_call(rpc):
+                self._count(method, grpc.StatusCode.PERMISSION_DENIED)
+                scopes = ", ".join(sorted(holder.scopes)) or "none"
+                message = f"{holder} may not call {rpc[:80]} (its scopes: {scopes})"
+                return _refusal(grpc.StatusCode.PERMISSION_DENIED, message)
+            # The handler runs in this call's task, after this returns.
+            HOLDER.set(holder)
         handler = await continuation(handler_call_details)
-        if handler is None or not method.startswith(SERVICE_PREFIX):
+        if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        if method.startswith(SERVICE_PREFIX):
+            wrapped = self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        else:
+            wrapped = self._counted(handler)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
@@ -175,9 +202,78 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.metrics.rejected(rpc, code.name)
         await context.abort(code, message)
 
-    def _enter(self, context: Context) -> None:
+    def _identity(self, context: Context) -> str | None:
+        """The caller: its token's name, else its client certificate's first DNS or URI SAN."""
+        holder = HOLDER.get()
+        if holder is not None:
+            return str(holder)
+        if not self.client_certificates:
+            return None  # no certificate to read (and reading costs on every call)
+        return security.certificate_identity(context.auth_context())
+
+    async def _enter(
+        self, rpc: str, context: Context, engine_id: str | None = None, per_identity: bool = True
+    ) -> Held:
+        """Admit the call server-wide and for its caller's identity (or refuse
+        it), and note who makes it; :meth:`_leave` what it holds when it ends.
+
+        ``engine_id``: the call is that engine's stream, counted once per engine.
+        ``per_identity``: False to count it for its identity later (:meth:`_as_engine`).
+        """
+        if not self.calls.enter():
+            await self._refuse(
+                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
+            )
+        held = Held(self._identity(context))
         if self.identities is not None:
             security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
+        if held.identity is not None and per_identity:
+            if engine_id is None:
+                refusal = self.quotas.enter_call(held.identity)
+                held.call = refusal is None
+            else:
+                refusal = self.quotas.enter_stream(held.identity, engine_id)
+                held.engine_id = None if refusal else engine_id
+            if refusal is not None:
+                self.calls.leave()
+                await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        return held
+
+    def _leave(self, held: Held) -> None:
+        self.calls.leave()
+        if held.identity is None:
+            return
+        if held.call:
+            self.quotas.leave_call(held.identity)
+        if held.engine_id is not None:
+            self.quotas.leave_stream(held.identity, held.engine_id)
+
+    async def _as_engine(self, rpc: str, context: Context, held: Held, engine_id: str) -> None:
+        """A Connect stream's hello named ``engine_id``: now it counts for its identity,
+        once per engine (a stream replacing the same engine's is not counted again)."""
+        if held.identity is None:
+            return
+        refusal = self.quotas.enter_stream(held.identity, engine_id)
+        if refusal is not None:
+            await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        held.engine_id = engine_id
+
+    def _counted(self, handler: Handler) -> Handler:
+        """Another service's streaming handler (reflection), counted as a call."""
+        assert handler.stream_stream is not None, "only reflection is expected here"
+        inner = handler.stream_stream
+
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            held = await self._enter("ServerReflectionInfo", context)
+            try:
+                async for response in inner(requests, context):
+                    yield response
+            finally:
+                self._leave(held)
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
 
     def _wrap(self, rpc: str, handler: Handler) -> Handler:
         descriptor = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].methods_by_name[rpc]
@@ -187,12 +283,26 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         undecodable = f"the request is not a valid {type_name} message"
         if handler.unary_unary is not None:
             inner = handler.unary_unary
+            starts = rpc == "StartHandoff"
 
             async def unary(request: Any, context: Context) -> Any:
                 if isinstance(request, Undecodable):
                     await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-                self._enter(context)
-                return await inner(request, context)
+                held = await self._enter(rpc, context)
+                try:
+                    if starts and held.identity is not None:
+                        refusal = self.quotas.admit_start(held.identity)
+                        if refusal is not None:
+                            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                            await self._refuse(rpc, context, code, refusal)
+                    response = await inner(request, context)
+                    if starts and held.identity is not None:
+                        handoff = response.handoff
+                        if handoff.phase != pb.PHASE_COMPLETE:
+                            self.quotas.started(held.identity, handoff.handoff_id)
+                    return response
+                finally:
+                    self._leave(held)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, deserialize, handler.response_serializer
@@ -231,15 +341,19 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
             if isinstance(request, Undecodable):
                 await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-            self._enter(context)
-            engine_id = await self._admit(rpc, context, request.engine_id)
+            engine_id = request.engine_id if ENGINE_ID.fullmatch(request.engine_id) else None
+            held = await self._enter(rpc, context, engine_id)
             try:
-                async with contextlib.aclosing(inner(request, context)) as actions:
-                    async for action in actions:
-                        yield action
+                engine_id = await self._admit(rpc, context, request.engine_id)
+                try:
+                    async with contextlib.aclosing(inner(request, context)) as actions:
+                        async for action in actions:
+                            yield action
+                finally:
+                    if engine_id is not None:
+                        self.streams.release(engine_id)
             finally:
-                if engine_id is not None:
-                    self.streams.release(engine_id)
+                self._leave(held)
 
         return stream
 
@@ -250,13 +364,33 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         undecodable: str,
     ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            # Counted server-wide from the start (it holds a slot while it
+            # waits for its hello), and for its identity once the hello names
+            # its engine, which must come within HELLO_WITHIN_S.
+            held = await self._enter(rpc, context, per_identity=False)
+            try:
+                async with contextlib.aclosing(connected(requests, context, held)) as responses:
+                    async for response in responses:
+                        yield response
+            finally:
+                self._leave(held)
+
+        async def connected(
+            requests: AsyncIterator[Any], context: Context, held: Held
+        ) -> AsyncGenerator[Any, None]:
             incoming = aiter(requests)
-            first = await anext(incoming, None)
+            try:
+                async with asyncio.timeout(HELLO_WITHIN_S):
+                    first = await anext(incoming, None)
+            except TimeoutError:
+                message = f"no hello within {HELLO_WITHIN_S:g} s of opening the stream"
+                await self._refuse(rpc, context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
             if isinstance(first, Undecodable):
                 await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-            self._enter(context)
             engine_id = None
             if first is not None and first.WhichOneof("kind") == "hello":
+                if ENGINE_ID.fullmatch(first.hello.engine_id):
+                    await self._as_engine(rpc, context, held, first.hello.engine_id)
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
             window = AckWindow(MAX_UNACKED_REPORTS)
             garbled: list[int] = []
@@ -313,6 +447,20 @@ class AckWindow:
         if acks:
             self.owed -= acks
             self._room.set()
+
+
+# The accepted token of the call being handled; set by the interceptor, which
+# runs in the call's own task before its handler.
+HOLDER: ContextVar[Token | None] = ContextVar("handoff_token_holder", default=None)
+
+
+@dataclass(slots=True)
+class Held:
+    """What one call holds in the per-identity accounting."""
+
+    identity: str | None  # None: an anonymous caller, counted server-wide only
+    call: bool = False  # counted as a call of its identity
+    engine_id: str | None = None  # counted as that engine's stream instead
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> Handler:

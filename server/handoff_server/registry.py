@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from handoff_server.config import Settings
 from handoff_server.core import Completed, Handoff
+from handoff_server.logs import BurstLog
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     CLEANUP_KINDS,
@@ -299,6 +300,10 @@ class Registry:
         self.clock = clock
         self._on_earlier_timer = on_earlier_timer
         self._on_idle: list[Callable[[], None]] = []
+        self._on_finished: list[Callable[[str], None]] = []
+        # A burst of abandonments (a crowd of handoffs whose engine vanished)
+        # is one line a second, not one ERROR per handoff.
+        self._abandoned = BurstLog(log, logging.ERROR, 1.0, "handoffs abandoned")
         self.handoffs: dict[str, Entry | Retained] = {}
         # Oldest first. A record stays here when its handoff is reopened (it is
         # skipped once it reaches the front), so leaving costs nothing.
@@ -324,12 +329,21 @@ class Registry:
         return entry
 
     def next_wakeup(self) -> float | None:
-        candidates = [t for t in (self._timers.next_at(), self._next_expiry()) if t is not None]
+        candidates = [
+            t
+            for t in (self._timers.next_at(), self._next_expiry(), self._abandoned.due())
+            if t is not None
+        ]
         return min(candidates, default=None)
 
     def on_idle(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` whenever the number of unfinished handoffs drops to zero."""
         self._on_idle.append(callback)
+
+    def on_finished(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(handoff_id)`` whenever a handoff leaves the active set
+        (complete, or abandoned while cleaning up)."""
+        self._on_finished.append(callback)
 
     # --- calls ------------------------------------------------------------
 
@@ -497,6 +511,7 @@ class Registry:
             elif kind == "abandon":
                 self._abandon(entry)
         self._expire_retained(now)
+        self._abandoned.flush(now)
         self._timers.compact(self._live_timers_bound())
 
     def _live_timers_bound(self) -> int:
@@ -650,6 +665,8 @@ class Registry:
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
+            for finished in self._on_finished:
+                finished(entry.handoff_id)
             if self.active_count == 0:
                 for callback in self._on_idle:
                     callback()
@@ -774,14 +791,18 @@ class Registry:
             for action_id, (_, kind, engines) in entry.routed.items()
             for engine_id in engines
         ]
-        log.error(
+        self._abandoned.note(
+            self.clock(),
+            entry.handoff_id,
             "abandoning handoff still cleaning up after %.0f s; outstanding: %s",
             self.settings.cleanup_timeout_s,
             ", ".join(left) or "none",
-            extra={"handoff_id": entry.handoff_id},
+            handoff_id=entry.handoff_id,
         )
         self.metrics.abandoned.inc()
         self._remove(entry)
+        for finished in self._on_finished:
+            finished(entry.handoff_id)
         if self.active_count == 0:
             for callback in self._on_idle:
                 callback()

@@ -24,15 +24,26 @@ import grpc
 
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
-from handoff_server.model import Canceled, EngineLost, Fact, HandoffError
-from handoff_server.registry import Entry, Retained
+from handoff_server.model import (
+    Canceled,
+    DestinationReserved,
+    Fact,
+    Failed,
+    HandoffError,
+    SourceHeld,
+    TransferCompleted,
+)
+from handoff_server.registry import Entry, Retained, Role
 
 # RFC 6750 b64token: what an `Authorization: Bearer` header can carry.
 TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
 # Short tokens can be guessed; 16 characters of b64token are ~96 bits at best.
 MIN_TOKEN_LENGTH = 16
 BEARER = re.compile(r"bearer +(\S+)", re.IGNORECASE)
-SAN_PROPERTY = "x509_subject_alternative_name"
+# The verified client certificate's SANs, by type, in gRPC's auth context.
+# Only these two types name an engine: an email or IP SAN never does, and a
+# URI SAN spelled like a host name is still a URI, not that host.
+SAN_PROPERTIES = {"DNS": "peer_dns", "URI": "peer_uri"}
 
 
 class SecurityConfigError(OSError):
@@ -92,6 +103,33 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 # --- bearer tokens ------------------------------------------------------------
 
 
+# What a token may call, by scope; a token without scopes in the file may call everything.
+SCOPES: Mapping[str, frozenset[str]] = {
+    "start": frozenset({"StartHandoff"}),
+    "report": frozenset({"ReportFact", "ReportOutcome"}),
+    "engine": frozenset({"StreamActions", "Connect"}),
+    "read": frozenset({"GetHandoff"}),
+}
+ALL_SCOPES = frozenset(SCOPES)
+TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """Who presents an accepted token: its name (the caller's identity) and scopes."""
+
+    name: str
+    scopes: frozenset[str] = ALL_SCOPES
+
+    def may_call(self, rpc: str) -> bool:
+        """``rpc`` is a coordinator method name; other services' calls need ``read``."""
+        needed = next((scope for scope, rpcs in SCOPES.items() if rpc in rpcs), "read")
+        return needed in self.scopes
+
+    def __str__(self) -> str:
+        return f"token {self.name}"
+
+
 class TokenSet:
     """The accepted tokens, compared in constant time.
 
@@ -100,36 +138,69 @@ class TokenSet:
     nothing about which token, or which prefix of one, was close.
     """
 
-    def __init__(self, tokens: Iterable[str]) -> None:
-        self._digests = tuple(hashlib.sha256(t.encode()).digest() for t in tokens)
+    def __init__(self, tokens: Iterable[str | tuple[str, Token]]) -> None:
+        named = [
+            (t, Token(f"token-{n}")) if isinstance(t, str) else t for n, t in enumerate(tokens, 1)
+        ]
+        self._digests = tuple((hashlib.sha256(t.encode()).digest(), who) for t, who in named)
         if not self._digests:
             raise SecurityConfigError("token authentication is on but no token is configured")
+        names = [who.name for _, who in self._digests]
+        repeated = {name for name in names if names.count(name) > 1}
+        if repeated:
+            raise SecurityConfigError(f"token names must differ: {', '.join(sorted(repeated))}")
 
     def __len__(self) -> int:
         return len(self._digests)
 
-    def accepts(self, presented: str) -> bool:
+    def identify(self, presented: str) -> Token | None:
         digest = hashlib.sha256(presented.encode()).digest()
-        found = False
-        for accepted in self._digests:
-            found |= hmac.compare_digest(accepted, digest)
+        found = None
+        for accepted, who in self._digests:
+            if hmac.compare_digest(accepted, digest):
+                found = who
         return found
 
+    def accepts(self, presented: str) -> bool:
+        return self.identify(presented) is not None
 
-def _checked_tokens(tokens: Iterable[str], where: str) -> list[str]:
-    checked = []
-    for number, token in enumerate(tokens, 1):
-        if not TOKEN.fullmatch(token):
+
+def _checked_token(token: str, where: str) -> str:
+    if not TOKEN.fullmatch(token):
+        raise SecurityConfigError(
+            f"{where} has characters a bearer token cannot carry "
+            "(allowed: A-Z a-z 0-9 - . _ ~ + / and trailing =)"
+        )
+    if len(token) < MIN_TOKEN_LENGTH:
+        raise SecurityConfigError(f"{where} is shorter than {MIN_TOKEN_LENGTH} characters")
+    return token
+
+
+def _token_line(fields: list[str], where: str, number: int) -> tuple[str, Token]:
+    """``TOKEN`` (the old format: named token-N, every scope), or ``NAME TOKEN [SCOPE,...]``."""
+    if len(fields) == 1:
+        return _checked_token(fields[0], f"{where}: token {number}"), Token(f"token-{number}")
+    if len(fields) > 3:
+        raise SecurityConfigError(
+            f"{where}: line of token {number}: expected NAME TOKEN [SCOPE,...], "
+            f"got {len(fields)} fields"
+        )
+    name = fields[0]
+    if not TOKEN_NAME.fullmatch(name):
+        raise SecurityConfigError(
+            f"{where}: token {number}: its name must be 1-64 characters of [A-Za-z0-9._-]"
+        )
+    secret = _checked_token(fields[1], f"{where}: token {number} ({name})")
+    scopes = ALL_SCOPES
+    if len(fields) == 3:
+        scopes = frozenset(fields[2].split(","))
+        unknown = scopes - ALL_SCOPES
+        if unknown:
             raise SecurityConfigError(
-                f"{where}: token {number} has characters a bearer token cannot carry "
-                "(allowed: A-Z a-z 0-9 - . _ ~ + / and trailing =)"
+                f"{where}: token {number} ({name}): unknown scope {', '.join(sorted(unknown))} "
+                f"(known: {', '.join(sorted(ALL_SCOPES))})"
             )
-        if len(token) < MIN_TOKEN_LENGTH:
-            raise SecurityConfigError(
-                f"{where}: token {number} is shorter than {MIN_TOKEN_LENGTH} characters"
-            )
-        checked.append(token)
-    return checked
+    return secret, Token(name, scopes)
 
 
 def load_tokens(settings: Settings) -> TokenSet | None:
@@ -137,15 +208,21 @@ def load_tokens(settings: Settings) -> TokenSet | None:
 
     Several tokens may be valid at once: to rotate, add the new one, move
     the clients over, then remove the old one (each change needs a restart).
+    A token's name is its holder's identity, for the per-identity limits.
     """
-    tokens: list[str] = []
+    tokens: list[tuple[str, Token]] = []
     if settings.tokens:
         parts = [t.strip() for t in settings.tokens.split(",")]
-        tokens += _checked_tokens([t for t in parts if t], "tokens")
+        for number, token in enumerate((t for t in parts if t), 1):
+            tokens.append(
+                (_checked_token(token, f"tokens: token {number}"), Token(f"env-{number}"))
+            )
     if settings.token_file:
+        where = f"token_file {settings.token_file}"
         text = _read(settings.token_file, "token_file").decode("utf-8", "replace")
-        lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
-        tokens += _checked_tokens([t for t in lines if t], f"token_file {settings.token_file}")
+        lines = (line.split("#", 1)[0].split() for line in text.splitlines())
+        for number, fields in enumerate((f for f in lines if f), 1):
+            tokens.append(_token_line(fields, where, number))
     if not settings.tokens and not settings.token_file:
         return None
     if not tokens:
@@ -153,8 +230,8 @@ def load_tokens(settings: Settings) -> TokenSet | None:
     return TokenSet(tokens)
 
 
-def bearer_problem(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
-    """Why the call's credentials are refused, or None when they are accepted.
+def authenticate(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]) -> Token | str:
+    """The token's holder, or why the call's credentials are refused.
 
     The reasons never echo what was sent.
     """
@@ -168,24 +245,40 @@ def bearer_problem(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]
     match = BEARER.fullmatch(text.strip())
     if match is None:
         return "authorization must be 'Bearer <token>'"
-    if not tokens.accepts(match.group(1)):
-        return "invalid bearer token"
-    return None
+    return tokens.identify(match.group(1)) or "invalid bearer token"
 
 
 # --- engine identity --------------------------------------------------------------
 
 
-class EngineIdentities:
-    """Which client-certificate SANs may act for which engine ids."""
+San = tuple[str, str]  # (type, value): ("DNS", "prefill-0.engines"), ("URI", "spiffe://...")
 
-    def __init__(self, engines_by_san: Mapping[str, frozenset[str]]) -> None:
+
+def typed_san(entry: str, where: str, engine_id: str) -> San:
+    """An identity file's SAN: ``DNS:name`` or ``URI:uri`` as written, and
+    without a prefix a URI when it has a scheme (``://``), else a DNS name."""
+    kind, colon, value = entry.partition(":")
+    if colon and kind.upper() in SAN_PROPERTIES and not value.startswith("//"):
+        if not value:
+            raise SecurityConfigError(f"{where}: engine {engine_id} has an empty {kind} SAN")
+        return kind.upper(), value
+    if colon and kind.upper() in ("EMAIL", "IP", "IP ADDRESS", "RID", "DIRNAME", "OTHERNAME"):
+        raise SecurityConfigError(
+            f"{where}: engine {engine_id}: {kind} SANs do not identify an engine (DNS or URI only)"
+        )
+    return ("URI" if "://" in entry else "DNS"), entry
+
+
+class EngineIdentities:
+    """Which client-certificate SANs, by type, may act for which engine ids."""
+
+    def __init__(self, engines_by_san: Mapping[San, frozenset[str]]) -> None:
         self._engines_by_san = dict(engines_by_san)
 
     def __len__(self) -> int:
         return len({e for engines in self._engines_by_san.values() for e in engines})
 
-    def engines_for(self, sans: Iterable[str]) -> frozenset[str]:
+    def engines_for(self, sans: Iterable[San]) -> frozenset[str]:
         found: set[str] = set()
         for san in sans:
             found |= self._engines_by_san.get(san, frozenset())
@@ -193,14 +286,14 @@ class EngineIdentities:
 
     @classmethod
     def parse(cls, text: str, where: str) -> EngineIdentities:
-        """``{"prefill-0": ["prefill-0.engines.svc", "spiffe://..."], ...}``."""
+        """``{"prefill-0": ["prefill-0.engines.svc", "URI:spiffe://..."], ...}``."""
         try:
             document = json.loads(text)
         except ValueError as error:
             raise SecurityConfigError(f"{where}: not JSON ({error})") from None
         if not isinstance(document, dict) or not document:
             raise SecurityConfigError(f"{where}: expected a non-empty object engine id -> SANs")
-        by_san: dict[str, set[str]] = {}
+        by_san: dict[San, set[str]] = {}
         for engine_id, sans in document.items():
             if not ENGINE_ID.fullmatch(engine_id):
                 raise SecurityConfigError(
@@ -218,7 +311,7 @@ class EngineIdentities:
                     f"{where}: engine {engine_id} needs a SAN or a non-empty list of SANs"
                 )
             for san in sans:
-                by_san.setdefault(san, set()).add(engine_id)
+                by_san.setdefault(typed_san(san, where, engine_id), set()).add(engine_id)
         return cls({san: frozenset(engines) for san, engines in by_san.items()})
 
 
@@ -234,19 +327,32 @@ def load_identities(settings: Settings) -> EngineIdentities | None:
 class Caller:
     """The peer of one call, when engine identities are enforced."""
 
-    sans: tuple[str, ...]
+    sans: tuple[San, ...]
     engines: frozenset[str]  # empty: not an engine (a frontend)
 
     @classmethod
     def of(
         cls, identities: EngineIdentities, auth_context: Mapping[str, Iterable[bytes]]
     ) -> Caller:
-        sans = tuple(v.decode("utf-8", "replace") for v in auth_context.get(SAN_PROPERTY, ()))
+        sans = tuple(
+            (kind, value.decode("utf-8", "replace"))
+            for kind, name in SAN_PROPERTIES.items()
+            for value in auth_context.get(name, ())
+        )
         return cls(sans, identities.engines_for(sans))
 
     def __str__(self) -> str:
-        shown = ", ".join(s[:80] for s in self.sans[:4]) or "no SAN"
+        shown = ", ".join(f"{kind}:{value[:80]}" for kind, value in self.sans[:4]) or "no SAN"
         return f"client certificate ({shown})"
+
+
+def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
+    """A verified client certificate's first DNS or URI SAN, as the caller's
+    identity for the per-identity limits; None without one."""
+    for kind, name in SAN_PROPERTIES.items():
+        for value in auth_context.get(name, ()):
+            return f"certificate {kind}:{value.decode('utf-8', 'replace')[:128]}"
+    return None
 
 
 # Set by the guard for every coordinator call when identities are enforced;
@@ -268,22 +374,52 @@ def authorize_report(
 ) -> None:
     """For ReportFact and ReportOutcome (also on Connect), before the registry call.
 
-    An engine reports only for handoffs it takes part in, and outcomes only
-    of actions addressed to it. A caller bound to no engine (a frontend) may
-    report Canceled and EngineLost (a pod it knows died), and nothing else.
+    Authorization around the state machine, per role and kind of report: an
+    engine reports only for handoffs it takes part in, outcomes only of
+    actions addressed to it, and of the facts only those its role proves
+    (SourceHeld the source, DestinationReserved the destination,
+    TransferCompleted the transfer's executor; Failed and Canceled either
+    engine). A caller bound to no engine (a frontend) reports Failed,
+    Canceled, TimedOut and EngineLost, which only it (or the server) may.
     """
     caller = CALLER.get()
     if caller is None:
         return
     if not caller.engines:
-        if isinstance(fact, (Canceled, EngineLost)):
+        if action_id is None and not isinstance(fact, ENGINE_ONLY):
             return
-        what = "outcomes" if action_id is not None else "this fact"
+        what = "outcomes" if action_id is not None else f"{type(fact).__name__}"
         raise PermissionDenied(f"{caller} is bound to no engine; only engines report {what}")
     if not caller.engines & {entry.source_engine_id, entry.destination_engine_id}:
         raise PermissionDenied(f"{caller} acts for no engine of this handoff")
-    routed = entry.routed.get(action_id) if action_id is not None else None
-    if routed is not None and not caller.engines.intersection(routed[2]):
-        raise PermissionDenied(
-            f"action {action_id} is addressed to {', '.join(routed[2])}, not to {caller}"
-        )
+    if action_id is not None:
+        routed = entry.routed.get(action_id)
+        if routed is not None and not caller.engines.intersection(routed[2]):
+            raise PermissionDenied(
+                f"action {action_id} is addressed to {', '.join(routed[2])}, not to {caller}"
+            )
+        return
+    allowed = _reporters(entry, fact)
+    if not caller.engines & allowed:
+        name = type(fact).__name__
+        who = ", ".join(sorted(allowed)) or "no engine (the frontend's or the server's to report)"
+        raise PermissionDenied(f"{caller} may not report {name}: only {who} may")
+
+
+# Facts that only an engine proves: a frontend cannot know them.
+ENGINE_ONLY = (SourceHeld, DestinationReserved, TransferCompleted)
+
+
+def _reporters(entry: Entry | Retained, fact: Fact | None) -> frozenset[str]:
+    """The engines of ``entry`` that may report ``fact``."""
+    source, destination = entry.source_engine_id, entry.destination_engine_id
+    if isinstance(fact, SourceHeld):
+        return frozenset((source,))
+    if isinstance(fact, DestinationReserved):
+        return frozenset((destination,))
+    if isinstance(fact, TransferCompleted):
+        executor = entry.transfer_executor
+        return frozenset((source if executor is Role.SOURCE else destination,))
+    if isinstance(fact, Failed | Canceled):
+        return frozenset((source, destination))
+    return frozenset()  # TimedOut, EngineLost: the frontend's (or the server's own)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"handoff serve: {error}", file=sys.stderr)
         return 2
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.log_format, settings.log_level, capture_native=True)
     for variable in config.service_links():
         log.warning(
             "ignoring %s: its value looks like a Kubernetes service link (tcp://...) for a "

@@ -20,13 +20,23 @@ from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
 from handoff_server.metrics import Metrics
-from handoff_server.model import HandoffError, InvalidArgument
+from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
 from handoff_server.registry import CallResult, Dispatch, Registry, Subscription
 
 log = logging.getLogger("handoff.servicer")
 
 R = TypeVar("R")
 STREAM_BATCH = 256
+# Reports in one Connect message at most: all of a message's reports are
+# answered before any of their acks can be written, so this also bounds what
+# one message can make the server queue. The guard's ack window is as large.
+MAX_REPORTS_PER_MESSAGE = 128
+# Reports of one message handled before the reader lets others run: a turn
+# is then ~0.1 ms, while a yield per report would cost as much as the report.
+REPORTS_PER_TURN = 16
+# Acks (with their answers) built for one Connect stream and not yet handed
+# to gRPC to write, in bytes; past it the stream's reports wait for the writer.
+MAX_OWED_BYTES = 256 * 1024
 # Built once: OutcomeKind.values() makes a new list on every call, and every
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
@@ -196,7 +206,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         ready = asyncio.Event()
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
         subscription = self.registry.subscribe(hello.engine_id, ready.set)
-        reader = asyncio.create_task(self._read_reports(request_iterator, owed, ready))
+        reader = asyncio.create_task(
+            self._read_reports(hello.engine_id, request_iterator, owed, ready)
+        )
         log.info("engine connected", extra={"engine_id": hello.engine_id})
         try:
             await context.send_initial_metadata(())
@@ -211,7 +223,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 if responses:
                     continue
                 if reader.done():
-                    reader.result()  # surfaces a read error, if any
+                    try:
+                        reader.result()  # surfaces a read error, if any
+                    except Rejection as rejection:
+                        # Everything before the refused message is acknowledged.
+                        await context.abort(rejection.code, rejection.message)
                     return  # the engine half-closed and everything is acknowledged
                 await ready.wait()
         finally:
@@ -220,15 +236,42 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             log.info("engine disconnected", extra={"engine_id": hello.engine_id})
 
     async def _read_reports(
-        self, requests: AsyncIterator[pb.ConnectRequest], owed: Owed, ready: asyncio.Event
+        self,
+        engine_id: str,
+        requests: AsyncIterator[pb.ConnectRequest],
+        owed: Owed,
+        ready: asyncio.Event,
     ) -> None:
         try:
             async for request in requests:
-                for report in reports_of(request):
+                for index, report in enumerate(self._capped_reports(engine_id, request), 1):
                     self._report(report, owed)
+                    if owed.bytes > MAX_OWED_BYTES:
+                        ready.set()
+                        await owed.written()
+                    elif index % REPORTS_PER_TURN == 0:
+                        # One stream's batch must not hold the loop: other
+                        # streams and calls run between its slices of reports.
+                        await asyncio.sleep(0)
                 ready.set()
         finally:
             ready.set()
+
+    def _capped_reports(
+        self, engine_id: str, request: pb.ConnectRequest
+    ) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
+        """The message's reports, refused whole (before any is handled) when too many."""
+        reports = reports_of(request)
+        if len(reports) > MAX_REPORTS_PER_MESSAGE:
+
+            def refuse() -> None:
+                raise ResourceExhausted(
+                    f"a Connect message carries {len(reports)} reports; the limit is "
+                    f"{MAX_REPORTS_PER_MESSAGE} per message (max_reports_per_message)"
+                )
+
+            self.answer("Connect", f"engine {engine_id}", refuse)
+        return reports
 
     def _report(self, request: pb.ConnectRequest | pb.ConnectReport, owed: Owed) -> None:
         """Handle one report and write its acknowledgement where it will be sent."""
@@ -245,12 +288,14 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             ack = owed.ack(request.request_id)
             ack.code = rejection.code.value[0]
             ack.message = rejection.message
+            owed.bytes += len(rejection.message)
             return
         ack = owed.ack(request.request_id)
         if not owed.lean_acks:
             answer = Answer.of(result)
             ack.handoff.CopyFrom(answer.handoff)
             ack.actions.extend(answer.actions)
+            owed.bytes += ack.ByteSize()
 
 
 class Owed:
@@ -261,13 +306,22 @@ class Owed:
     way copied the whole handoff twice per report.
     """
 
-    __slots__ = ("batch", "lean_acks", "_messages")
+    __slots__ = ("batch", "lean_acks", "bytes", "_messages", "_written")
 
     def __init__(self, *, batch: bool, lean_acks: bool) -> None:
         self.batch = batch
         self.lean_acks = lean_acks
+        # What the queued acks' answers and error messages weigh, roughly
+        # (an ack's own few fields are not counted): bounds the queue in bytes.
+        self.bytes = 0
         # Batched: at most one message, collecting every ack until written.
         self._messages: deque[pb.ConnectResponse] = deque()
+        self._written = asyncio.Event()
+
+    async def written(self) -> None:
+        """Until the acks queued so far have been taken to be written."""
+        self._written.clear()
+        await self._written.wait()
 
     def ack(self, request_id: int) -> pb.ConnectAck:
         """A new, empty acknowledgement of ``request_id``, queued to be written."""
@@ -287,6 +341,8 @@ class Owed:
         """The messages to write now: every ack owed so far, then ``dispatches``."""
         messages = list(self._messages)
         self._messages.clear()
+        self.bytes = 0
+        self._written.set()
         if not dispatches:
             return messages
         actions = [convert.action(dispatch) for dispatch in dispatches]

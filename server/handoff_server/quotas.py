@@ -1,0 +1,173 @@
+"""Accounting of what callers hold: calls in flight by kind, and per caller identity.
+
+Both refuse rather than queue: a caller past a limit hears so at once
+(RESOURCE_EXHAUSTED naming the setting) and may retry, while the calls
+already admitted carry on. Nothing here awaits or reads a clock of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class Budget:
+    """Calls of one kind in flight, at most ``limit``."""
+
+    def __init__(self, what: str, limit: int, setting: str) -> None:
+        self.what = what
+        self.limit = limit
+        self.setting = setting
+        self.in_flight = 0
+
+    def enter(self) -> bool:
+        if self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+    def refusal(self) -> str:
+        return f"{self.limit} {self.what} already in flight, the limit ({self.setting})"
+
+
+class Usage:
+    """What one identity holds now."""
+
+    __slots__ = ("calls", "streams", "active", "allowance", "allowance_at")
+
+    def __init__(self, starts_burst: float, now: float) -> None:
+        self.calls = 0  # unary (and other non-engine) calls in flight
+        self.streams: dict[str, int] = {}  # engine id -> its live streams (a replacement overlaps)
+        self.active = 0  # handoffs it started that are not complete
+        self.allowance = starts_burst  # StartHandoff calls it may make now (a token bucket)
+        self.allowance_at = now
+
+    def idle(self, starts_burst: float) -> bool:
+        return (
+            not self.calls and not self.streams and not self.active
+        ) and self.allowance >= starts_burst
+
+    def held(self) -> int:
+        """Calls counted against the limit: one per engine, however many of its
+        streams overlap while a new one replaces the old."""
+        return self.calls + len(self.streams)
+
+
+class Quotas:
+    """Per caller identity (a token's name, a client certificate's SAN): calls in
+    flight, active handoffs and the StartHandoff rate, each with its own limit,
+    so that one caller past its limit leaves everyone else's room intact.
+
+    Callers with no identity (no token, no client certificate) are not counted
+    here: the server-wide limits are theirs.
+    """
+
+    def __init__(
+        self,
+        *,
+        calls: int,
+        active: int,
+        starts_per_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.calls = calls
+        self.active = active
+        self.starts_per_s = starts_per_s
+        self.starts_burst = max(starts_per_s, 1.0)  # one second's worth
+        self.clock = clock
+        self._usage: dict[str, Usage] = {}
+        self._owners: dict[str, str] = {}  # active handoff id -> identity that started it
+
+    def _of(self, identity: str) -> Usage:
+        usage = self._usage.get(identity)
+        if usage is None:
+            usage = self._usage[identity] = Usage(self.starts_burst, self.clock())
+        return usage
+
+    def _tidy(self, identity: str, usage: Usage) -> None:
+        if usage.idle(self.starts_burst):
+            del self._usage[identity]
+
+    def usage(self, identity: str) -> Usage | None:
+        return self._usage.get(identity)
+
+    # --- calls -------------------------------------------------------------
+
+    def enter_call(self, identity: str) -> str | None:
+        """Count a call; the refusal's reason when the identity is at its limit."""
+        usage = self._of(identity)
+        if usage.held() >= self.calls:
+            return self._full(identity, usage)
+        usage.calls += 1
+        return None
+
+    def leave_call(self, identity: str) -> None:
+        usage = self._usage[identity]
+        usage.calls -= 1
+        self._tidy(identity, usage)
+
+    def enter_stream(self, identity: str, engine_id: str) -> str | None:
+        """Count an engine's stream: a new stream of an engine already counted
+        (it replaces the old one) is always admitted and not counted again."""
+        usage = self._of(identity)
+        live = usage.streams.get(engine_id, 0)
+        if not live and usage.held() >= self.calls:
+            return self._full(identity, usage)
+        usage.streams[engine_id] = live + 1
+        return None
+
+    def leave_stream(self, identity: str, engine_id: str) -> None:
+        usage = self._usage[identity]
+        live = usage.streams.pop(engine_id) - 1
+        if live:
+            usage.streams[engine_id] = live
+        self._tidy(identity, usage)
+
+    def _full(self, identity: str, usage: Usage) -> str:
+        self._tidy(identity, usage)
+        return (
+            f"{identity} has {usage.held()} calls in flight, the limit per identity "
+            "(max_calls_per_identity)"
+        )
+
+    # --- handoffs ----------------------------------------------------------
+
+    def admit_start(self, identity: str) -> str | None:
+        """Take one StartHandoff from the identity's allowance; the refusal's reason if none is left
+        or it already has its limit of active handoffs."""
+        usage = self._of(identity)
+        if usage.active >= self.active:
+            return (
+                f"{identity} has {usage.active} active handoffs, the limit per identity "
+                "(max_active_handoffs_per_identity)"
+            )
+        now = self.clock()
+        usage.allowance = min(
+            self.starts_burst, usage.allowance + (now - usage.allowance_at) * self.starts_per_s
+        )
+        usage.allowance_at = now
+        if usage.allowance < 1.0:
+            return (
+                f"{identity} starts more than {self.starts_per_s:g} handoffs per second, "
+                "the limit per identity (max_starts_per_s_per_identity)"
+            )
+        usage.allowance -= 1.0
+        return None
+
+    def started(self, identity: str, handoff_id: str) -> None:
+        """The identity's StartHandoff created ``handoff_id`` (a retry of one it
+        already holds changes nothing)."""
+        if handoff_id in self._owners:
+            return
+        self._owners[handoff_id] = identity
+        self._of(identity).active += 1
+
+    def finished(self, handoff_id: str) -> None:
+        """``handoff_id`` left the active set (complete or abandoned): the registry's callback."""
+        identity = self._owners.pop(handoff_id, None)
+        if identity is not None:
+            usage = self._usage[identity]
+            usage.active -= 1
+            self._tidy(identity, usage)
