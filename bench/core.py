@@ -22,6 +22,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_server.packing import pack
 
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 2048, 131072, 50.0)
 SUBMITTED = Outcome(OutcomeKind.SUBMITTED)
@@ -95,7 +96,7 @@ def bytes_per_packed_handoff(count: int) -> float:
     gc.collect()
     tracemalloc.start()
     baseline = tracemalloc.get_traced_memory()[0]
-    packed = [success_path(i, orders[n & 1]).pack() for n, i in enumerate(ids)]
+    packed = [pack(success_path(i, orders[n & 1])) for n, i in enumerate(ids)]
     used = tracemalloc.get_traced_memory()[0] - baseline
     tracemalloc.stop()
     assert len(packed) == count

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from handoff_server.core import Handoff
+from handoff_server.core import Handoff, Settlement
 from handoff_server.model import (
     Action,
     ActionKind,
@@ -56,6 +56,7 @@ def test_source_lost_after_the_transfer_goes_on_and_succeeds_without_release(
     handoff, activate = transferred(order)
     assert handoff.apply_fact(SOURCE_LOST) == ()
     assert handoff.phase is Phase.ACTIVE
+    assert handoff.source.settlement is Settlement.LOST  # the record names the side
     complete = only(handoff.apply_outcome(activate.id, APPLIED))
     assert_complete(complete, handoff, Completion.SUCCESS)
     assert LifecycleEvent.SOURCE_RELEASED not in handoff.lifecycle

@@ -15,7 +15,7 @@ from handoff_server.conformance import (
     Vector,
     mismatch,
 )
-from handoff_server.core import Ending, Handoff
+from handoff_server.core import Handoff
 from handoff_server.model import (
     Action,
     ActionKind,
@@ -34,6 +34,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_server.packing import Ending, pack
 from tests.core_support import (
     APPLIED,
     HandoffMachine,
@@ -69,7 +70,7 @@ def test_unpacking_gives_back_the_same_state_and_the_reads_agree() -> None:
     decode_lost = completed(Order.DESTINATION_FIRST)
     decode_lost.apply_fact(EngineLost(Side.DESTINATION))
     for handoff in [*handoffs, reopened, canceled, source_lost, decode_lost]:
-        packed = handoff.pack()
+        packed = pack(handoff)
         assert packed.unpack().snapshot() == handoff.snapshot()
         assert packed.snapshot() == handoff.snapshot()
         assert packed.handoff_id == handoff.handoff_id
@@ -98,7 +99,7 @@ def test_handoffs_that_ended_alike_share_their_ending() -> None:
     activate = only(second.apply_fact(TransferCompleted()))
     release = only(second.apply_outcome(activate.id, APPLIED))
     second.apply_outcome(release.id, APPLIED)
-    assert first.pack().ending is second.pack().ending
+    assert pack(first).ending is pack(second).ending
 
 
 class PackedMachine(HandoffMachine):
@@ -109,7 +110,7 @@ class PackedMachine(HandoffMachine):
         if self.handoff.phase is not Phase.COMPLETE:
             super().call(apply, *args)
             return
-        twin = self.handoff.pack().unpack()
+        twin = pack(self.handoff).unpack()
         assert twin.snapshot() == self.handoff.snapshot()
         name = apply.__name__  # type: ignore[attr-defined]
         expected = observe(getattr(twin, name), *args)
@@ -143,7 +144,7 @@ def replay_packing(vector: Vector, endings: list[Ending]) -> str | None:
     handoff: Handoff | None = None
     for index, step in enumerate(vector.steps):
         if handoff is not None and handoff.phase is Phase.COMPLETE:
-            packed = handoff.pack()
+            packed = pack(handoff)
             endings.append(packed.ending)
             handoff = packed.unpack()
         if isinstance(step, StartStep):
@@ -193,6 +194,6 @@ def test_a_reopened_handoff_is_not_packed_until_it_completes_again() -> None:
     handoff = completed(Order.SOURCE_FIRST)
     cancel = only(handoff.apply_fact(Canceled()))
     with pytest.raises(AssertionError, match="only a completed handoff"):
-        handoff.pack()
+        pack(handoff)
     handoff.apply_outcome(cancel.id, APPLIED)
-    assert handoff.pack().completion is Completion.CANCELED
+    assert pack(handoff).completion is Completion.CANCELED

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
-from handoff_server.core import Handoff
+from handoff_server.core import Handoff, SourceStage
 from tests.conftest import StartServer
 from tests.grpc_support import (
     APPLIED,
@@ -208,7 +208,7 @@ async def test_unexpected_exception_returns_internal_and_changes_nothing(
     before = server.registry.get(handoff_id).core.snapshot()
 
     def crash(self: Handoff, *args: object) -> None:
-        self._held = True
+        self.source.stage = SourceStage.HELD  # a bug that mutates a record, then crashes
         raise ZeroDivisionError
 
     monkeypatch.setattr(Handoff, "apply_outcome", crash)

@@ -1,7 +1,24 @@
 """The handoff state machine: the one module that owns every transition.
 
 Pure in the sans-IO sense: no I/O, no clock, no asyncio. The registry feeds it
-facts and outcomes and routes the actions it returns.
+facts and outcomes and routes the actions it returns; packing for retention
+lives in :mod:`handoff_server.packing`.
+
+A handoff is its phase (ACTIVE, CLEANING_UP, COMPLETE; DESIGN.md §1) and four
+small records, as in the seed's Rust core:
+
+- ``source``: how far the prefill got (:class:`SourceStage`: submitted, held,
+  released) and whether it still holds anything (:class:`Settlement`);
+- ``destination``: the same for the decode (:class:`DestinationStage`:
+  accepted, reserved, activated);
+- ``transfer``: the KV transfer (:class:`TransferStage`) and its delay;
+- ``journal``: every issued action and its outcome (:class:`ActionJournal`).
+
+Facts and outcomes move one record each; the next action then reads off the
+records, in :meth:`Handoff._advance_active` (the success path, in order) or
+:meth:`Handoff._advance_cleanup` (cancel whatever a side may still hold).
+A side that was lost (``EngineLost``, correction 7) is settled like one that
+freed what it held: nothing is owed to it.
 
 Every public call is atomic. All checks that can reject a call run before the
 first attribute is written, so a rejected call leaves the handoff exactly as
@@ -10,13 +27,11 @@ it was (DESIGN.md, correction 5).
 
 from __future__ import annotations
 
+import enum
 import math
-import operator
-from dataclasses import dataclass
 
 from handoff_server.model import (
     ALLOWED_OUTCOMES,
-    CLEANUP_KINDS,
     TERMINAL_FACTS,
     Action,
     ActionKind,
@@ -41,68 +56,193 @@ from handoff_server.model import (
 
 NO_ACTIONS: tuple[Action, ...] = ()
 
-# Enum members bound once: a class-attribute lookup on an Enum costs about ten
-# times a global lookup, and the hot paths test members on every call.
+
+class SourceStage(enum.Enum):
+    """How far the prefill got on the way to a success. It never goes back."""
+
+    UNSUBMITTED = "unsubmitted"  # not asked to act yet
+    SUBMITTING = "submitting"  # SubmitPrefill issued
+    SUBMITTED = "submitted"  # ... and acknowledged
+    HELD = "held"  # SourceHeld applied: it holds the KV for the transfer
+    RELEASING = "releasing"  # ReleaseSource issued
+
+
+class DestinationStage(enum.Enum):
+    """How far the decode got on the way to a success. It never goes back."""
+
+    UNRESERVED = "unreserved"  # not asked to act yet
+    RESERVING = "reserving"  # ReserveDestination issued
+    ACCEPTED = "accepted"  # ... and accepted
+    RESERVED = "reserved"  # DestinationReserved applied
+    ACTIVATING = "activating"  # ActivateDestination issued
+    ACTIVATED = "activated"  # ... and applied: the decode owns the request
+
+
+class TransferStage(enum.Enum):
+    """How far the KV transfer got. It never goes back."""
+
+    WAITING = "waiting"  # for the source to hold and the destination to reserve
+    STARTING = "starting"  # StartTransfer issued
+    SCHEDULED = "scheduled"  # ... and scheduled
+    TRANSFERRED = "transferred"  # TransferCompleted applied: the destination has the KV
+
+
+class Settlement(enum.Enum):
+    """Whether a side may still hold something for the handoff."""
+
+    OPEN = "open"  # it may, if it was ever asked to act
+    CANCELING = "canceling"  # a cancel was issued to it
+    FREED = "freed"  # it acknowledged a release or a cancel
+    LOST = "lost"  # EngineLost: its memory for the handoff is gone
+
+
+# CPython 3.11 looks an Enum member up through EnumType.__getattr__, about
+# twenty times the cost of a global (3.12 dropped it), and the transitions
+# test members on every call: bench/core.py runs at half the speed without
+# these bindings (bench/RESULTS.md).
 ACTIVE, CLEANING_UP, COMPLETE = Phase.ACTIVE, Phase.CLEANING_UP, Phase.COMPLETE
 SUCCESS, CANCELED = Completion.SUCCESS, Completion.CANCELED
 SOURCE_FIRST, DESTINATION_FIRST = Order.SOURCE_FIRST, Order.DESTINATION_FIRST
 FAILED = OutcomeKind.FAILED
-DO_SUBMIT_PREFILL = ActionKind.SUBMIT_PREFILL
-DO_RESERVE_DESTINATION = ActionKind.RESERVE_DESTINATION
-DO_START_TRANSFER = ActionKind.START_TRANSFER
-DO_ACTIVATE_DESTINATION = ActionKind.ACTIVATE_DESTINATION
-DO_RELEASE_SOURCE = ActionKind.RELEASE_SOURCE
-DO_CANCEL_SOURCE = ActionKind.CANCEL_SOURCE
-DO_CANCEL_DESTINATION = ActionKind.CANCEL_DESTINATION
-DO_COMPLETE = ActionKind.COMPLETE
-EV_SOURCE_HELD = LifecycleEvent.SOURCE_HELD
-EV_DESTINATION_ACCEPTED = LifecycleEvent.DESTINATION_ACCEPTED
-EV_DESTINATION_RESERVED = LifecycleEvent.DESTINATION_RESERVED
-EV_DESTINATION_ACTIVATED = LifecycleEvent.DESTINATION_ACTIVATED
-EV_SOURCE_RELEASED = LifecycleEvent.SOURCE_RELEASED
-EV_COMPLETED = LifecycleEvent.COMPLETED
-EV_SOURCE_LOST = LifecycleEvent.SOURCE_LOST
-EV_DESTINATION_LOST = LifecycleEvent.DESTINATION_LOST
+UNSUBMITTED, SUBMITTING, SUBMITTED = (
+    SourceStage.UNSUBMITTED,
+    SourceStage.SUBMITTING,
+    SourceStage.SUBMITTED,
+)
+HELD, RELEASING = SourceStage.HELD, SourceStage.RELEASING
+UNRESERVED, RESERVING, ACCEPTED = (
+    DestinationStage.UNRESERVED,
+    DestinationStage.RESERVING,
+    DestinationStage.ACCEPTED,
+)
+RESERVED, ACTIVATING, ACTIVATED = (
+    DestinationStage.RESERVED,
+    DestinationStage.ACTIVATING,
+    DestinationStage.ACTIVATED,
+)
+WAITING, STARTING = TransferStage.WAITING, TransferStage.STARTING
+SCHEDULED, TRANSFERRED = TransferStage.SCHEDULED, TransferStage.TRANSFERRED
+OPEN, CANCELING, FREED, LOST = (
+    Settlement.OPEN,
+    Settlement.CANCELING,
+    Settlement.FREED,
+    Settlement.LOST,
+)
+SUBMIT_PREFILL, RESERVE_DESTINATION = ActionKind.SUBMIT_PREFILL, ActionKind.RESERVE_DESTINATION
+START_TRANSFER, ACTIVATE_DESTINATION = ActionKind.START_TRANSFER, ActionKind.ACTIVATE_DESTINATION
+RELEASE_SOURCE, CANCEL_SOURCE = ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE
+CANCEL_DESTINATION, NOTIFY_COMPLETE = ActionKind.CANCEL_DESTINATION, ActionKind.COMPLETE
+SOURCE_HELD, DESTINATION_RESERVED = LifecycleEvent.SOURCE_HELD, LifecycleEvent.DESTINATION_RESERVED
+DESTINATION_ACCEPTED = LifecycleEvent.DESTINATION_ACCEPTED
+DESTINATION_ACTIVATED = LifecycleEvent.DESTINATION_ACTIVATED
+SOURCE_RELEASED, COMPLETED = LifecycleEvent.SOURCE_RELEASED, LifecycleEvent.COMPLETED
+
+
+class SourceProgress:
+    """The prefill engine's side. ``timing`` is set once it holds the KV."""
+
+    __slots__ = ("stage", "settlement", "timing")
+
+    def __init__(self) -> None:
+        self.stage = UNSUBMITTED
+        self.settlement = OPEN
+        self.timing: TransferTiming | None = None
+
+    @property
+    def owed_cleanup(self) -> bool:
+        """Asked to act, and neither freed what it holds nor lost."""
+        settlement = self.settlement
+        return self.stage is not UNSUBMITTED and (settlement is OPEN or settlement is CANCELING)
+
+
+class DestinationProgress:
+    """The decode engine's side. ``tokens`` is what it reserved room for."""
+
+    __slots__ = ("stage", "settlement", "tokens")
+
+    def __init__(self) -> None:
+        self.stage = UNRESERVED
+        self.settlement = OPEN
+        self.tokens = 0
+
+    @property
+    def owed_cleanup(self) -> bool:
+        """Asked to act, and neither freed what it holds nor lost."""
+        settlement = self.settlement
+        return self.stage is not UNRESERVED and (settlement is OPEN or settlement is CANCELING)
+
+
+class TransferProgress:
+    """The KV transfer. ``delay_ms`` is set once both sides have reported."""
+
+    __slots__ = ("stage", "delay_ms")
+
+    def __init__(self) -> None:
+        self.stage = WAITING
+        self.delay_ms = 0.0
+
+
+class ActionJournal:
+    """Every action issued, by id (0, 1, 2, ... in issue order), and the outcomes
+    reported for them. Forgotten on completion but for the next id: outcomes
+    are then acknowledged without checks, and a reopened handoff numbers on."""
+
+    __slots__ = ("next_id", "issued", "outcomes")
+
+    def __init__(self) -> None:
+        self.next_id = 0
+        self.issued: dict[int, Action] = {}
+        self.outcomes: dict[int, Outcome] = {}
+
+    def issue(
+        self, kind: ActionKind, delay_ms: float | None = None, completion: Completion | None = None
+    ) -> Action:
+        action = Action(self.next_id, kind, delay_ms, completion)
+        self.next_id += 1
+        self.issued[action.id] = action
+        return action
+
+    def outstanding(self) -> tuple[Action, ...]:
+        if len(self.outcomes) == len(self.issued):
+            return NO_ACTIONS  # outcomes are kept only for issued actions: all are in
+        return tuple(a for i, a in self.issued.items() if i not in self.outcomes)
+
+    def forget(self) -> None:
+        self.issued.clear()
+        self.outcomes.clear()
+
+
+# Every piece of a handoff's state but its identity (id, order, fallback delay),
+# as immutable values: the phase, the completion, the lifecycle, each record.
+Checkpoint = tuple[
+    Phase,
+    Completion | None,
+    tuple[LifecycleEvent, ...],
+    tuple[SourceStage, Settlement, TransferTiming | None],
+    tuple[DestinationStage, Settlement, int],
+    tuple[TransferStage, float],
+    tuple[int, tuple[tuple[int, Action], ...], tuple[tuple[int, Outcome], ...]],
+]
 
 
 class Handoff:
-    """One prefill-to-decode ownership handoff."""
+    """One prefill-to-decode ownership handoff.
+
+    Callers read ``phase``, ``completion``, ``lifecycle``, ``outstanding`` and
+    may read the four records; every write to them is a transition here.
+    """
 
     __slots__ = (
         "handoff_id",
         "order",
         "fallback_transfer_delay_ms",
+        "source",
+        "destination",
+        "transfer",
+        "journal",
         "_phase",
         "_completion",
-        "_started",
-        "_next_action_id",
-        "_issued",
-        "_outcomes",
         "_lifecycle",
-        # source side
-        "_submit_issued",
-        "_submitted",
-        "_held",
-        "_transfer_timing",
-        "_release_issued",
-        "_source_cancel_issued",
-        "_source_done",
-        "_source_lost",
-        # destination side
-        "_reserve_issued",
-        "_accepted",
-        "_reserved",
-        "_transferable_tokens",
-        "_activation_issued",
-        "_activation_applied",
-        "_destination_cancel_issued",
-        "_destination_done",
-        "_destination_lost",
-        # transfer
-        "_transfer_delay_ms",
-        "_transfer_issued",
-        "_transfer_scheduled",
-        "_transfer_completed",
     )
 
     def __init__(self, handoff_id: str, order: Order, fallback_transfer_delay_ms: float) -> None:
@@ -111,36 +251,13 @@ class Handoff:
         self.handoff_id = handoff_id
         self.order = order
         self.fallback_transfer_delay_ms = fallback_transfer_delay_ms
+        self.source = SourceProgress()
+        self.destination = DestinationProgress()
+        self.transfer = TransferProgress()
+        self.journal = ActionJournal()
         self._phase = ACTIVE
         self._completion: Completion | None = None
-        self._started = False
-        self._next_action_id = 0
-        # The journal: issued actions awaiting or holding their outcome. Cleared
-        # on completion, after which outcomes are acknowledged without checks.
-        self._issued: dict[int, Action] = {}
-        self._outcomes: dict[int, Outcome] = {}
         self._lifecycle: list[LifecycleEvent] = []
-        self._submit_issued = False
-        self._submitted = False
-        self._held = False
-        self._transfer_timing: TransferTiming | None = None
-        self._release_issued = False
-        self._source_cancel_issued = False
-        self._source_done = False
-        self._source_lost = False
-        self._reserve_issued = False
-        self._accepted = False
-        self._reserved = False
-        self._transferable_tokens = 0
-        self._activation_issued = False
-        self._activation_applied = False
-        self._destination_cancel_issued = False
-        self._destination_done = False
-        self._destination_lost = False
-        self._transfer_delay_ms = 0.0
-        self._transfer_issued = False
-        self._transfer_scheduled = False
-        self._transfer_completed = False
 
     # --- what callers may read ------------------------------------------
 
@@ -159,59 +276,62 @@ class Handoff:
     @property
     def outstanding(self) -> tuple[Action, ...]:
         """Issued actions still waiting for their outcome, in issue order."""
-        if len(self._outcomes) == len(self._issued):
-            return NO_ACTIONS  # outcomes are kept only for issued actions: all are in
-        return tuple(a for i, a in self._issued.items() if i not in self._outcomes)
+        return self.journal.outstanding()
 
     def is_outstanding(self, action_id: int) -> bool:
-        return action_id in self._issued and action_id not in self._outcomes
+        journal = self.journal
+        return action_id in journal.issued and action_id not in journal.outcomes
+
+    def checkpoint(self) -> Checkpoint:
+        """All the state a call may change, as immutable values: :meth:`restore`
+        undoes later calls with it (the registry's undo of a call that crashed),
+        and :mod:`handoff_server.packing` keeps a completed handoff as one."""
+        source, destination, transfer, journal = (
+            self.source,
+            self.destination,
+            self.transfer,
+            self.journal,
+        )
+        return (
+            self._phase,
+            self._completion,
+            tuple(self._lifecycle),
+            (source.stage, source.settlement, source.timing),
+            (destination.stage, destination.settlement, destination.tokens),
+            (transfer.stage, transfer.delay_ms),
+            (journal.next_id, tuple(journal.issued.items()), tuple(journal.outcomes.items())),
+        )
+
+    def restore(self, checkpoint: Checkpoint) -> None:
+        phase, completion, lifecycle, source, destination, transfer, journal = checkpoint
+        self._phase, self._completion, self._lifecycle = phase, completion, list(lifecycle)
+        self.source.stage, self.source.settlement, self.source.timing = source
+        self.destination.stage, self.destination.settlement, self.destination.tokens = destination
+        self.transfer.stage, self.transfer.delay_ms = transfer
+        next_id, issued, outcomes = journal
+        self.journal.next_id, self.journal.issued, self.journal.outcomes = (
+            next_id,
+            dict(issued),
+            dict(outcomes),
+        )
 
     def snapshot(self) -> tuple[object, ...]:
         """Every piece of state, as comparable values: two equal snapshots are one state."""
-        values: list[object] = []
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if isinstance(value, dict):
-                value = tuple(value.items())
-            elif isinstance(value, list):
-                value = tuple(value)
-            values.append(value)
-        return tuple(values)
-
-    def pack(self) -> Completed:
-        """This completed handoff in a few words, for as long as it is retained."""
-        assert self._phase is COMPLETE, "only a completed handoff is packed"
-        completion = self._completion
-        assert completion is not None
-        ending = Ending(self.order, completion, tuple(self._lifecycle), _rest_of(self))
-        return Completed(
-            self.handoff_id, self.fallback_transfer_delay_ms, _ENDINGS.setdefault(ending, ending)
-        )
-
-    def checkpoint(self) -> Checkpoint:
-        """Enough for :meth:`restore` to undo what later calls change, for callers
-        that must undo a call that crashed. Taken before every call, so it reads
-        the slots in one C call and copies only the containers (a whole copy of
-        the handoff cost three times as much)."""
-        return _state_of(self), self._issued.copy(), self._outcomes.copy(), self._lifecycle.copy()
-
-    def restore(self, checkpoint: Checkpoint) -> None:
-        state, issued, outcomes, lifecycle = checkpoint
-        for name, value in zip(self.__slots__, state, strict=True):
-            setattr(self, name, value)
-        self._issued, self._outcomes, self._lifecycle = issued, outcomes, lifecycle
+        return (self.handoff_id, self.order, self.fallback_transfer_delay_ms, self.checkpoint())
 
     # --- calls ------------------------------------------------------------
 
     def start(self) -> tuple[Action, ...]:
-        # A terminal fact before start completes the handoff with nothing
-        # issued; starting it then would issue work nothing can ever retire.
-        if self._started or self._phase is not ACTIVE:
+        # Started once its first action is issued. A terminal fact before
+        # start completes the handoff with nothing issued; starting it then
+        # would issue work nothing can ever retire.
+        if self.journal.next_id or self._phase is not ACTIVE:
             return NO_ACTIONS
-        self._started = True
         if self.order is SOURCE_FIRST:
-            return (self._issue_submit_prefill(),)
-        return (self._issue_reserve_destination(),)
+            self.source.stage = SUBMITTING
+            return (self.journal.issue(SUBMIT_PREFILL),)
+        self.destination.stage = RESERVING
+        return (self.journal.issue(RESERVE_DESTINATION),)
 
     def apply_fact(self, fact: Fact) -> tuple[Action, ...]:
         # Payloads are validated whatever the phase, so a malformed report is
@@ -242,22 +362,18 @@ class Handoff:
         if isinstance(fact, DestinationReserved):
             return self._on_destination_reserved(fact.transferable_prompt_tokens)
         if isinstance(fact, TransferCompleted):
-            if self._transfer_completed:
-                return NO_ACTIONS
-            if not self._transfer_scheduled:
-                raise FailedPrecondition("transfer completed before it was scheduled")
-            self._transfer_completed = True
-            return self._advance_active()
+            return self._on_transfer_completed()
         self._phase = CLEANING_UP
         return self._advance_cleanup()
 
     def apply_outcome(self, action_id: int, outcome: Outcome) -> tuple[Action, ...]:
         if self._phase is COMPLETE:
             return NO_ACTIONS
-        action = self._issued.get(action_id)
+        journal = self.journal
+        action = journal.issued.get(action_id)
         if action is None:
             raise NotFound(f"unknown handoff action {action_id}")
-        previous = self._outcomes.get(action_id)
+        previous = journal.outcomes.get(action_id)
         if previous is not None:
             if previous != outcome:
                 raise FailedPrecondition(f"conflicting outcome for handoff action {action_id}")
@@ -265,33 +381,36 @@ class Handoff:
         kind = action.kind
 
         if outcome.kind is FAILED:
-            if kind is DO_CANCEL_SOURCE or kind is DO_CANCEL_DESTINATION:
+            if kind is CANCEL_SOURCE or kind is CANCEL_DESTINATION:
                 raise FailedPrecondition(f"handoff cleanup action {action_id} failed")
-            self._outcomes[action_id] = outcome
+            journal.outcomes[action_id] = outcome
             self._phase = CLEANING_UP
             return self._advance_cleanup()
 
         if outcome.kind not in ALLOWED_OUTCOMES[kind]:
             raise InvalidArgument(f"invalid handoff action outcome {outcome.describe()}")
-        self._outcomes[action_id] = outcome
+        journal.outcomes[action_id] = outcome
 
-        if kind is DO_SUBMIT_PREFILL:
-            self._submitted = True
-        elif kind is DO_RESERVE_DESTINATION:
-            self._accepted = True
-            self._lifecycle.append(EV_DESTINATION_ACCEPTED)
-        elif kind is DO_START_TRANSFER:
-            self._transfer_scheduled = True
-        elif kind is DO_ACTIVATE_DESTINATION:
-            self._activation_applied = True
-            self._lifecycle.append(EV_DESTINATION_ACTIVATED)
-        elif kind is DO_CANCEL_DESTINATION:
-            self._destination_done = True
-        else:
-            assert kind in CLEANUP_KINDS
-            if kind is DO_RELEASE_SOURCE:
-                self._lifecycle.append(EV_SOURCE_RELEASED)
-            self._source_done = True
+        # Each acknowledged action moves the side it was addressed to one stage
+        # on; a release or cancel settles that side (a lost one stays lost).
+        if kind is SUBMIT_PREFILL:
+            self.source.stage = SUBMITTED
+        elif kind is RESERVE_DESTINATION:
+            self.destination.stage = ACCEPTED
+            self._lifecycle.append(DESTINATION_ACCEPTED)
+        elif kind is START_TRANSFER:
+            self.transfer.stage = SCHEDULED
+        elif kind is ACTIVATE_DESTINATION:
+            self.destination.stage = ACTIVATED
+            self._lifecycle.append(DESTINATION_ACTIVATED)
+        elif kind is CANCEL_DESTINATION:
+            if self.destination.settlement is not LOST:
+                self.destination.settlement = FREED
+        else:  # RELEASE_SOURCE or CANCEL_SOURCE
+            if kind is RELEASE_SOURCE:
+                self._lifecycle.append(SOURCE_RELEASED)
+            if self.source.settlement is not LOST:
+                self.source.settlement = FREED
 
         if self._phase is ACTIVE:
             return self._advance_active()
@@ -300,53 +419,62 @@ class Handoff:
     # --- transitions ------------------------------------------------------
 
     def _on_source_held(self, timing: TransferTiming) -> tuple[Action, ...]:
-        if self._held:
-            return NO_ACTIONS
-        if not self._submitted:
-            raise FailedPrecondition("source held before prefill submission was acknowledged")
-        if self._reserved and not self._transfer_issued:
-            self._transfer_delay_ms = self._scheduled_delay(timing, self._transferable_tokens)
-        self._held = True
-        self._transfer_timing = timing
-        self._lifecycle.append(EV_SOURCE_HELD)
+        source = self.source
+        if source.stage is not SUBMITTED:
+            if source.stage is UNSUBMITTED or source.stage is SUBMITTING:
+                raise FailedPrecondition("source held before prefill submission was acknowledged")
+            return NO_ACTIONS  # held already
+        if self.destination.stage is RESERVED:
+            # Both sides have reported: the transfer can be sized.
+            self.transfer.delay_ms = self._scheduled_delay(timing, self.destination.tokens)
+        source.stage = HELD
+        source.timing = timing
+        self._lifecycle.append(SOURCE_HELD)
         return self._advance_active()
 
     def _on_destination_reserved(self, tokens: int) -> tuple[Action, ...]:
-        if self._reserved:
-            return NO_ACTIONS
-        if not self._accepted:
-            raise FailedPrecondition("destination reserved before ownership was accepted")
-        timing = self._transfer_timing
-        if timing is not None and not self._transfer_issued:
-            self._transfer_delay_ms = self._scheduled_delay(timing, tokens)
-        self._reserved = True
-        self._transferable_tokens = tokens
-        self._lifecycle.append(EV_DESTINATION_RESERVED)
+        destination = self.destination
+        if destination.stage is not ACCEPTED:
+            if destination.stage is UNRESERVED or destination.stage is RESERVING:
+                raise FailedPrecondition("destination reserved before ownership was accepted")
+            return NO_ACTIONS  # reserved already
+        timing = self.source.timing
+        if timing is not None:
+            # Both sides have reported: the transfer can be sized.
+            self.transfer.delay_ms = self._scheduled_delay(timing, tokens)
+        destination.stage = RESERVED
+        destination.tokens = tokens
+        self._lifecycle.append(DESTINATION_RESERVED)
+        return self._advance_active()
+
+    def _on_transfer_completed(self) -> tuple[Action, ...]:
+        transfer = self.transfer
+        if transfer.stage is not SCHEDULED:
+            if transfer.stage is TRANSFERRED:
+                return NO_ACTIONS
+            raise FailedPrecondition("transfer completed before it was scheduled")
+        transfer.stage = TRANSFERRED
         return self._advance_active()
 
     def _on_engine_lost(self, side: Side) -> tuple[Action, ...]:
-        # Never rejected (DESIGN.md, correction 7): the lost side is settled,
-        # and nothing is owed to it from now on.
-        # A side that freed what it held, or was lost already, owes nothing
-        # either way; after CANCELED nothing is owed to anyone. (So a source
-        # lost after SUCCESS changes nothing: it released or was lost.)
-        if self._completion is CANCELED:
+        # Never rejected (DESIGN.md, correction 7). A side that freed what it
+        # held, or was lost already, has nothing left to lose; after CANCELED
+        # nothing is owed to anyone. (So a source lost after SUCCESS changes
+        # nothing: it released or was lost.)
+        progress = self.source if side is Side.SOURCE else self.destination
+        settlement = progress.settlement
+        if self._completion is CANCELED or settlement is FREED or settlement is LOST:
             return NO_ACTIONS
+        progress.settlement = LOST
         if side is Side.SOURCE:
-            if self._source_lost or self._source_done:
-                return NO_ACTIONS
-            self._source_lost = True
-            self._lifecycle.append(EV_SOURCE_LOST)
-            if self._phase is ACTIVE and self._transfer_completed:
+            self._lifecycle.append(LifecycleEvent.SOURCE_LOST)
+            if self._phase is ACTIVE and self.transfer.stage is TRANSFERRED:
                 # The destination has the KV: it no longer needs the source.
                 return self._advance_active()
         else:
-            if self._destination_lost or self._destination_done:
-                return NO_ACTIONS
             # After SUCCESS this reopens the handoff: the decode that owned the
-            # request died, and nothing is owed to it, so it completes CANCELED.
-            self._destination_lost = True
-            self._lifecycle.append(EV_DESTINATION_LOST)
+            # request is gone, nothing is owed to it, so it completes CANCELED.
+            self._lifecycle.append(LifecycleEvent.DESTINATION_LOST)
         self._phase = CLEANING_UP
         return self._advance_cleanup()
 
@@ -360,159 +488,58 @@ class Handoff:
         return delay
 
     def _advance_active(self) -> tuple[Action, ...]:
-        if self.order is SOURCE_FIRST and self._held and not self._reserve_issued:
-            return (self._issue_reserve_destination(),)
-        if self.order is DESTINATION_FIRST and self._reserved and not self._submit_issued:
-            return (self._issue_submit_prefill(),)
-        if self._held and self._reserved and not self._transfer_issued:
-            self._transfer_issued = True
-            return (self._issue(DO_START_TRANSFER, self._transfer_delay_ms),)
-        if self._transfer_completed and not self._activation_issued:
-            self._activation_issued = True
-            return (self._issue(DO_ACTIVATE_DESTINATION),)
-        if self._activation_applied and self._source_lost:
-            return (self._complete(),)  # an outstanding ReleaseSource stops mattering
-        if self._activation_applied and not self._release_issued:
-            self._release_issued = True
-            return (self._issue(DO_RELEASE_SOURCE),)
-        if self._source_done:
-            return (self._complete(),)
+        """The success path: the next action, read off the records in order."""
+        source, destination, transfer = self.source, self.destination, self.transfer
+        if self.order is SOURCE_FIRST and source.stage is HELD and destination.stage is UNRESERVED:
+            destination.stage = RESERVING
+            return (self.journal.issue(RESERVE_DESTINATION),)
+        if (
+            self.order is DESTINATION_FIRST
+            and destination.stage is RESERVED
+            and source.stage is UNSUBMITTED
+        ):
+            source.stage = SUBMITTING
+            return (self.journal.issue(SUBMIT_PREFILL),)
+        if transfer.stage is WAITING and source.stage is HELD and destination.stage is RESERVED:
+            transfer.stage = STARTING
+            return (self.journal.issue(START_TRANSFER, transfer.delay_ms),)
+        if transfer.stage is TRANSFERRED and destination.stage is RESERVED:
+            destination.stage = ACTIVATING
+            return (self.journal.issue(ACTIVATE_DESTINATION),)
+        if destination.stage is ACTIVATED:
+            if source.settlement is not OPEN:
+                # Released, or lost once the destination had the KV (an
+                # outstanding ReleaseSource then stops mattering).
+                return (self._complete(),)
+            if source.stage is HELD:
+                source.stage = RELEASING
+                return (self.journal.issue(RELEASE_SOURCE),)
         return NO_ACTIONS
 
     def _advance_cleanup(self) -> tuple[Action, ...]:
-        # A side is owed cleanup once it was asked to act, until it acknowledged
-        # a release or cancel or was lost.
-        source_owed = self._submit_issued and not self._source_done and not self._source_lost
-        destination_owed = (
-            self._reserve_issued and not self._destination_done and not self._destination_lost
-        )
+        """Cancel each side that may still hold something; complete once none does."""
+        source, destination = self.source, self.destination
+        source_owed, destination_owed = source.owed_cleanup, destination.owed_cleanup
         actions: list[Action] = []
-        if source_owed and not self._source_cancel_issued:
-            self._source_cancel_issued = True
-            actions.append(self._issue(DO_CANCEL_SOURCE))
-        if destination_owed and not self._destination_cancel_issued:
-            self._destination_cancel_issued = True
-            actions.append(self._issue(DO_CANCEL_DESTINATION))
+        if source_owed and source.settlement is OPEN:
+            source.settlement = CANCELING
+            actions.append(self.journal.issue(CANCEL_SOURCE))
+        if destination_owed and destination.settlement is OPEN:
+            destination.settlement = CANCELING
+            actions.append(self.journal.issue(CANCEL_DESTINATION))
         if not source_owed and not destination_owed:
             actions.append(self._complete())
         return tuple(actions)
 
-    def _issue_submit_prefill(self) -> Action:
-        self._submit_issued = True
-        return self._issue(DO_SUBMIT_PREFILL)
-
-    def _issue_reserve_destination(self) -> Action:
-        self._reserve_issued = True
-        return self._issue(DO_RESERVE_DESTINATION)
-
     def _complete(self) -> Action:
         completion = self._completion = CANCELED if self._phase is CLEANING_UP else SUCCESS
         self._phase = COMPLETE
-        action = self._issue(DO_COMPLETE, completion=completion)
-        self._issued.clear()
-        self._outcomes.clear()
+        action = self.journal.issue(NOTIFY_COMPLETE, completion=completion)
+        self.journal.forget()
         # Read only while ACTIVE, which a handoff never is again. Forgotten so
-        # that every completed core is one of a few states (see Ending).
-        self._transfer_timing = None
-        self._transferable_tokens = 0
-        self._transfer_delay_ms = 0.0
-        self._lifecycle.append(EV_COMPLETED)
+        # that every completed core is one of a few states (see packing).
+        self.source.timing = None
+        self.destination.tokens = 0
+        self.transfer.delay_ms = 0.0
+        self._lifecycle.append(COMPLETED)
         return action
-
-    def _issue(
-        self,
-        kind: ActionKind,
-        delay_ms: float | None = None,
-        completion: Completion | None = None,
-    ) -> Action:
-        action = Action(self._next_action_id, kind, delay_ms, completion)
-        self._next_action_id += 1
-        self._issued[action.id] = action
-        return action
-
-
-_state_of = operator.attrgetter(*Handoff.__slots__)
-# Every slot's value, then copies of the three containers (the journal and the lifecycle).
-Checkpoint = tuple[tuple[object, ...], dict[int, Action], dict[int, Outcome], list[LifecycleEvent]]
-
-# Every slot a completed core keeps but its identity, its journal (empty once
-# complete) and what Ending names on its own.
-_REST_SLOTS = tuple(
-    name
-    for name in Handoff.__slots__
-    if name
-    not in (
-        "handoff_id",
-        "fallback_transfer_delay_ms",
-        "order",
-        "_completion",
-        "_lifecycle",
-        "_issued",
-        "_outcomes",
-    )
-)
-_rest_of = operator.attrgetter(*_REST_SLOTS)
-
-
-@dataclass(frozen=True, slots=True)
-class Ending:
-    """How a handoff ended: all of a completed core but its id and fallback delay.
-
-    Every value in it comes from a small finite set (enums, flags, an action
-    counter below ten, at most seven lifecycle events; the transfer's sizes
-    are forgotten on completion), so few distinct endings exist and the
-    handoffs that ended alike share one.
-    """
-
-    order: Order
-    completion: Completion
-    lifecycle: tuple[LifecycleEvent, ...]
-    rest: tuple[object, ...]  # the other slots' values, in _REST_SLOTS order
-
-
-_ENDINGS: dict[Ending, Ending] = {}  # each distinct ending once, shared by all that end so
-
-
-class Completed:
-    """A completed handoff as :meth:`Handoff.pack` packs it: reads like one, and
-    :meth:`unpack` gives back exactly the core it was packed from."""
-
-    __slots__ = ("handoff_id", "fallback_transfer_delay_ms", "ending")
-
-    def __init__(self, handoff_id: str, fallback_transfer_delay_ms: float, ending: Ending) -> None:
-        self.handoff_id = handoff_id
-        self.fallback_transfer_delay_ms = fallback_transfer_delay_ms
-        self.ending = ending
-
-    @property
-    def order(self) -> Order:
-        return self.ending.order
-
-    @property
-    def phase(self) -> Phase:
-        return COMPLETE
-
-    @property
-    def completion(self) -> Completion:
-        return self.ending.completion
-
-    @property
-    def lifecycle(self) -> tuple[LifecycleEvent, ...]:
-        return self.ending.lifecycle
-
-    def snapshot(self) -> tuple[object, ...]:
-        """The snapshot of the core it was packed from."""
-        return self.unpack().snapshot()
-
-    def unpack(self) -> Handoff:
-        core = object.__new__(Handoff)
-        for name, value in zip(_REST_SLOTS, self.ending.rest, strict=True):
-            setattr(core, name, value)
-        core.handoff_id = self.handoff_id
-        core.fallback_transfer_delay_ms = self.fallback_transfer_delay_ms
-        core.order = self.ending.order
-        core._completion = self.ending.completion
-        core._lifecycle = list(self.ending.lifecycle)
-        core._issued = {}
-        core._outcomes = {}
-        return core

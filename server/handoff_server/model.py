@@ -37,10 +37,6 @@ class Side(enum.Enum):
 
 
 class ActionKind(enum.Enum):
-    # Identity hashing in C: Enum's default hashes the name in Python, and the
-    # core looks kinds up in dicts on every call.
-    __hash__ = object.__hash__
-
     SUBMIT_PREFILL = "submit_prefill"
     RESERVE_DESTINATION = "reserve_destination"
     START_TRANSFER = "start_transfer"
@@ -52,8 +48,6 @@ class ActionKind(enum.Enum):
 
 
 class OutcomeKind(enum.Enum):
-    __hash__ = object.__hash__  # see ActionKind
-
     SUBMITTED = "submitted"
     ACCEPTED = "accepted"
     SCHEDULED = "scheduled"

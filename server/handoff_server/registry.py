@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import ClassVar
 
 from handoff_server.config import Settings
-from handoff_server.core import Completed, Handoff
+from handoff_server.core import Handoff
 from handoff_server.logs import BurstLog
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -44,6 +44,7 @@ from handoff_server.model import (
     TimedOut,
     Unavailable,
 )
+from handoff_server.packing import Completed, pack
 from handoff_server.timers import Timer, TimerHeap
 
 log = logging.getLogger("handoff.registry")
@@ -193,7 +194,7 @@ class Retained:
 
     def __init__(self, entry: Entry) -> None:
         assert entry.completed_at is not None
-        self.core: Completed = entry.core.pack()
+        self.core: Completed = pack(entry.core)
         self.source_engine_id = entry.source_engine_id
         self.destination_engine_id = entry.destination_engine_id
         self.transfer_executor = entry.transfer_executor
