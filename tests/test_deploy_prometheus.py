@@ -105,7 +105,9 @@ def test_every_alert_has_a_severity_an_explanation_and_a_runbook_entry() -> None
         assert rule["labels"]["severity"] in {"critical", "warning"}, rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
         assert rule["annotations"]["description"], rule["alert"]
-        assert f"`{rule['alert']}`" in deploying, f"README 'Deploying' lacks {rule['alert']}"
+        # HandoffEnginesLost's runbook is docs/failures.md until the README's moves to docs/.
+        runbooks = deploying + (README.parent / "docs" / "failures.md").read_text()
+        assert f"`{rule['alert']}`" in runbooks, f"README 'Deploying' lacks {rule['alert']}"
 
 
 def test_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -> None:

@@ -181,18 +181,34 @@ class Server:
         return self.settings.max_health_checks + self.settings.max_health_watches
 
     async def _run_timers(self) -> None:
-        """Sleep until the registry's next timer (or an earlier one appears), then fire."""
+        """Sleep until the registry's next timer (or an earlier one appears), then fire.
+
+        Supervised: fire_due already survives a failing timer; anything else
+        that raises here is logged and counted, and the loop goes on, since
+        deadlines, redelivery and retention all hang on it."""
         while True:
-            wakeup = self.registry.next_wakeup()
-            self._timer_wakeup.clear()
-            if wakeup is None:
-                await self._timer_wakeup.wait()
-            else:
-                delay = wakeup - self.clock()
-                if delay > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._timer_wakeup.wait(), delay)
-            self.registry.fire_due()
+            try:
+                await self._next_timers()
+            except Exception:
+                self.metrics.timer_errors.inc()
+                log.exception("timer loop failed; going on")
+                await asyncio.sleep(0.1)  # a failure that repeats must not spin
+
+    async def _next_timers(self) -> None:
+        wakeup = self.registry.next_wakeup()
+        self._timer_wakeup.clear()
+        if wakeup is None:
+            await self._timer_wakeup.wait()
+        else:
+            delay = wakeup - self.clock()
+            if delay > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a
+                # cancellation that lands as the wake-up fires, and stop() then
+                # waited for this task forever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._timer_wakeup.wait()
+        self.registry.fire_due()
 
     async def wait_idle(self, within_s: float) -> bool:
         """Until no handoff is active or cleaning up; False if ``within_s`` passed first."""
@@ -212,16 +228,29 @@ class Server:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.registry.draining = True
         log.info("draining: %d handoffs unfinished", self.registry.active_count)
+        try:
+            await self._drain(grace)
+        finally:
+            await self._shut_down()
+
+    async def _drain(self, grace: float) -> None:
         if not await self.wait_idle(grace):
             canceled = self.registry.cancel_active("server shutting down")
             log.warning("drain grace over; canceled %d handoffs", canceled)
             if not await self.wait_idle(grace):
                 log.error("%d handoffs still cleaning up at exit", self.registry.active_count)
+
+    async def _shut_down(self) -> None:
+        """Everything after the drain; it runs whatever happened before."""
         if self._timers is not None:
             self._timers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._timers
-        self.registry.close_streams()
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("the timer task had failed")
+        self.registry.delivery.close_streams()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._health_grpc is not None:

@@ -12,6 +12,8 @@ import uuid
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from handoff.v1 import coordinator_pb2 as pb
+from handoff_server.delivery import Dispatch, Role
+from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.model import (
     MAX_HANDOFF_TIMEOUT_S,
     Action,
@@ -35,7 +37,6 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Dispatch, Entry, Retained, Role, StartRequest
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Already canonical: uuid.UUID would parse it only to print it back unchanged.
@@ -102,6 +103,20 @@ def engine_id(value: str, field: str = "engine_id") -> str:
     if not ENGINE_ID.fullmatch(value):
         shown = value if len(value) <= 40 else value[:40] + "..."
         raise InvalidArgument(f"{field} must be 1-128 characters of [A-Za-z0-9._:-], got {shown!r}")
+    return value
+
+
+def incarnation(value: str, field: str = "incarnation") -> str:
+    """An engine's incarnation: empty (no fencing) or like an engine id."""
+    if value and not ENGINE_ID.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidArgument(f"{field} must be 1-128 characters of [A-Za-z0-9._:-], got {shown!r}")
+    return value
+
+
+def session_id(value: str, field: str = "session_id") -> str:
+    if value and not ENGINE_ID.fullmatch(value):
+        raise InvalidArgument(f"{field} must be at most 128 characters of [A-Za-z0-9._:-]")
     return value
 
 
@@ -345,4 +360,6 @@ def handoff(entry: Entry | Retained) -> pb.Handoff:
         message.outstanding_actions.extend([outstanding_action(entry, a) for a in outstanding])
     if entry.completed_at is not None:
         _stamp(message.completed_at, entry.completed_at)
+    if entry.abandoned_at is not None:
+        message.abandoned = True
     return message

@@ -12,16 +12,17 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
+from handoff_server.delivery import Dispatch, Fenced, Subscription
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
-from handoff_server.registry import CallResult, Dispatch, Registry, Subscription
+from handoff_server.registry import CallResult, Registry
 
 log = logging.getLogger("handoff.servicer")
 
@@ -50,10 +51,17 @@ def _shown(handoff_id: str) -> str:
 class Rejection(Exception):
     """A call refused with a gRPC status; raised out of :meth:`Servicer.answer`."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailers = trailers
+
+    async def abort(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        await context.abort(self.code, self.message, self.trailers)
+        raise AssertionError("abort returns only by raising")
 
 
 class Servicer(pb_grpc.HandoffCoordinatorServicer):
@@ -68,17 +76,21 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         only needed on failure, and building it on every report costs more
         than some reports do.
         """
+        trailers: tuple[tuple[str, str], ...] = ()
         try:
             return work()
         except HandoffError as error:
             code, reason = grpc.StatusCode[error.code], error.message
             named = subject if isinstance(subject, str) else subject()
+            if isinstance(error, Fenced):
+                # The sidecar acts on why it was fenced, not on the message.
+                trailers = (("handoff-fence", error.fence.value),)
         except Exception:
             code, reason = grpc.StatusCode.INTERNAL, f"internal error in {rpc}"
             named = subject if isinstance(subject, str) else subject()
             log.exception("unexpected failure in %s", rpc, extra={"subject": named})
         self.metrics.rejected(rpc, code.name)
-        raise Rejection(code, f"{named}: {reason}")
+        raise Rejection(code, f"{named}: {reason}", trailers)
 
     # --- unary --------------------------------------------------------------
 
@@ -90,13 +102,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subject = f"handoff {_shown(request.handoff_id)}"
 
         def work() -> pb.StartHandoffResponse:
-            answer = Answer.of(self.registry.start(convert.start_request(request)))
-            return pb.StartHandoffResponse(handoff=answer.handoff, actions=answer.actions)
+            result = self.registry.start(convert.start_request(request))
+            answer = Answer.of(result)
+            return pb.StartHandoffResponse(
+                handoff=answer.handoff,
+                actions=answer.actions,
+                already_started=result.already_started,
+            )
 
         try:
             return self.answer("StartHandoff", subject, work)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
 
     async def ReportFact(
         self,
@@ -107,7 +124,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             answer = Answer.of(self.report_fact(request, "ReportFact"))
             return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
 
     async def ReportOutcome(
         self,
@@ -118,7 +135,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
             return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
 
     async def GetHandoff(
         self,
@@ -134,7 +151,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         try:
             return self.answer("GetHandoff", subject, work)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await rejection.abort(context)
 
     def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> CallResult:
         def work() -> CallResult:
@@ -161,16 +178,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.StreamActionsRequest,
         context: grpc.aio.ServicerContext[pb.StreamActionsRequest, pb.Action],
     ) -> AsyncIterator[pb.Action]:
+        ready = asyncio.Event()
         try:
-            engine_id = self.answer(
+            subscription = self.answer(
                 "StreamActions",
                 "stream",
-                lambda: security.authorize_engine(convert.engine_id(request.engine_id)),
+                lambda: self._subscribe(
+                    request.engine_id, request.incarnation, request.session_id, ready.set
+                ),
             )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        ready = asyncio.Event()
-        subscription = self.registry.subscribe(engine_id, ready.set)
+            await rejection.abort(context)
+        engine_id = subscription.engine_id
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
@@ -179,8 +198,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 for dispatch in batch:
                     yield convert.action(dispatch)
         finally:
-            self.registry.unsubscribe(subscription)
+            self.registry.delivery.unsubscribe(subscription)
             log.info("engine stream ended", extra={"engine_id": engine_id})
+
+    def _subscribe(
+        self, engine_id: str, incarnation: str, session_id: str, on_ready: Callable[[], None]
+    ) -> Subscription:
+        return self.registry.subscribe(
+            security.authorize_engine(convert.engine_id(engine_id)),
+            on_ready,
+            convert.incarnation(incarnation),
+            convert.session_id(session_id),
+        )
 
     async def _next_batch(
         self, subscription: Subscription, ready: asyncio.Event
@@ -188,7 +217,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         """Wait for work on ``subscription``; None once it has been replaced."""
         while True:
             ready.clear()
-            batch = self.registry.take(subscription, STREAM_BATCH)
+            batch = self.registry.delivery.take(subscription, STREAM_BATCH)
             if batch is None or batch:
                 return batch
             await ready.wait()
@@ -199,13 +228,19 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
         first = await anext(aiter(request_iterator), None)
+        ready = asyncio.Event()
         try:
             hello = self.answer("Connect", "connect", lambda: _hello(first))
+            subscription = self.answer(
+                "Connect",
+                "connect",
+                lambda: self._subscribe(
+                    hello.engine_id, hello.incarnation, hello.session_id, ready.set
+                ),
+            )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        ready = asyncio.Event()
+            await rejection.abort(context)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
-        subscription = self.registry.subscribe(hello.engine_id, ready.set)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
         )
@@ -214,7 +249,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             await context.send_initial_metadata(())
             while True:
                 ready.clear()
-                dispatches = self.registry.take(subscription, STREAM_BATCH)
+                dispatches = self.registry.delivery.take(subscription, STREAM_BATCH)
                 if dispatches is None:
                     return  # replaced by a newer stream for this engine
                 responses = owed.responses(dispatches)
@@ -227,12 +262,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                         reader.result()  # surfaces a read error, if any
                     except Rejection as rejection:
                         # Everything before the refused message is acknowledged.
-                        await context.abort(rejection.code, rejection.message)
+                        await rejection.abort(context)
                     return  # the engine half-closed and everything is acknowledged
                 await ready.wait()
         finally:
             reader.cancel()
-            self.registry.unsubscribe(subscription)
+            self.registry.delivery.unsubscribe(subscription)
             log.info("engine disconnected", extra={"engine_id": hello.engine_id})
 
     async def _read_reports(
