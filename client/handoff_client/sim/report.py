@@ -111,7 +111,6 @@ def _server_rows(metrics: ServerMetrics | str) -> list[str]:
         ("reopened", metrics.total("handoff_reopened_total")),
         ("timed out", metrics.total("handoff_timed_out_total")),
         ("abandoned", metrics.total("handoff_abandoned_total")),
-        ("engine unreachable", metrics.total("handoff_engine_unreachable_total")),
         ("redeliveries", metrics.total("handoff_redeliveries_total")),
         ("active now", phases.get("active", 0.0)),
         ("cleaning up now", phases.get("cleaning_up", 0.0)),
