@@ -22,7 +22,6 @@ from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import guard, servicer
 from handoff_server.app import Server
 from handoff_server.config import Settings
-from handoff_server.guard import MAX_UNACKED_REPORTS
 from handoff_server.metrics import Metrics
 from handoff_server.registry import Registry
 from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
@@ -444,7 +443,7 @@ async def test_reports_on_connect_are_not_read_faster_than_their_acks(
     """
     server = await start_server()
     per_message = 10 if batch else 1
-    bound = (3 if batch else 2) * MAX_UNACKED_REPORTS
+    bound = (3 if batch else 2) * MAX_REPORTS_PER_MESSAGE
     total = 2000
 
     def processed() -> float:
@@ -468,7 +467,7 @@ async def test_reports_on_connect_are_not_read_faster_than_their_acks(
 
         call = stub.Connect(requests())
         await call.initial_metadata()
-        while processed() < MAX_UNACKED_REPORTS:  # noqa: ASYNC110 (a metric has no event)
+        while processed() < MAX_REPORTS_PER_MESSAGE:  # noqa: ASYNC110 (a metric has no event)
             await asyncio.sleep(0.01)
         # Not a sleep, which proves nothing on a slow machine: the server answers
         # calls on another connection meanwhile, so it had every chance to read on.
