@@ -20,9 +20,8 @@ The service, on grpc.aio:
 
 - ``convert``: protobuf to domain values (validated) and back.
 - ``servicer``: the RPCs: decode, call the registry, answer or refuse; the
-  one place a domain error becomes a gRPC status.
-- ``guard``: the interceptor: tokens, undecodable input, call and stream
-  limits, the Connect ack window.
+  one place a domain error becomes a gRPC status; Connect's ack window.
+- ``guard``: the interceptor: tokens, undecodable input, call and stream limits.
 - ``security``: TLS material, bearer tokens and engine identities, and the
   checks that use them.
 - ``quotas``: calls in flight, by kind and per caller.
@@ -38,7 +37,8 @@ The service, on grpc.aio:
 Commands (``handoff ...``):
 
 - ``cli``: the command and its subcommands; ``serve``, ``health``,
-  ``inspect_cmd`` and ``replay`` are one subcommand each.
+  ``inspect_cmd``, ``replay`` and ``demo`` (a coordinator in this process and
+  the SDK's simulator against it) are one subcommand each.
 - ``conformance``: reading conformance vectors and comparing answers with them.
 - ``stubs``: regenerating the committed gRPC stubs from proto/.
 """

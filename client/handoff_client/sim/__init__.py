@@ -1,7 +1,8 @@
 """The simulator: engines with finite KV pools, a load generator, faults and a leak check.
 
 :func:`~handoff_client.sim.run.simulate` runs one simulation against a server;
-``handoff sim`` and ``handoff demo`` are its commands.
+``handoff sim`` is its command; ``handoff demo`` (handoff_server.demo) runs it
+against a coordinator in the same process.
 
 Which module owns what:
 
@@ -9,8 +10,7 @@ Which module owns what:
   leak check, fleet down.
 - ``config``: what a simulation runs (engines, load, faults), as frozen values.
 - ``options``: the command-line flags ``sim`` and ``demo`` share, and the config they make.
-- ``cli`` and ``demo``: ``handoff sim`` against a running coordinator;
-  ``handoff demo`` with a coordinator of its own on a free local port.
+- ``cli``: ``handoff sim``, against a running coordinator.
 - ``cluster``: the fleet: per stack, prefill and decode engines, each behind a sidecar.
 - ``engine``: one simulated prefill or decode engine; ``pool``: its finite KV blocks.
 - ``frontend``: the load generator, playing the router that starts and cancels
