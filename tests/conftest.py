@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -9,8 +10,10 @@ from typing import Any
 
 import pytest
 
+from handoff_server import app
 from handoff_server.app import Server
 from handoff_server.config import Settings
+from handoff_server.guard import EngineStreams
 
 StartServer = Callable[..., Awaitable[Server]]
 
@@ -24,13 +27,39 @@ LOOPBACK: dict[str, Any] = {
 }
 
 
+class WatchedStreams(EngineStreams):
+    """The guard's live engine streams, which a test can await the end of."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self._changed = asyncio.Event()
+
+    def release(self, engine_id: str) -> None:
+        super().release(engine_id)
+        self._changed.set()
+
+    async def wait_until(self, predicate: Callable[[dict[str, int]], bool]) -> None:
+        while not predicate(self.live):
+            self._changed.clear()
+            await self._changed.wait()
+
+
+async def streams_until(server: Server, predicate: Callable[[dict[str, int]], bool]) -> None:
+    """Until ``predicate(live engine streams)`` holds on a server made by ``servers``."""
+    streams = server.engine_streams
+    assert isinstance(streams, WatchedStreams)
+    await streams.wait_until(predicate)
+
+
 @contextlib.asynccontextmanager
 async def servers(defaults: dict[str, Any]) -> AsyncIterator[StartServer]:
     """A starter of real servers (``defaults`` | overrides); all are stopped on exit."""
     started: list[Server] = []
 
     async def start(**overrides: Any) -> Server:
-        server = Server(Settings(**(defaults | overrides)))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(app, "EngineStreams", WatchedStreams)
+            server = Server(Settings(**(defaults | overrides)))
         await server.start()
         started.append(server)
         return server

@@ -10,7 +10,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from handoff_server.core import Handoff
 from handoff_server.model import (
     ALLOWED_OUTCOMES,
-    EXPECTED_LIFECYCLE,
     Action,
     ActionKind,
     Canceled,
@@ -40,6 +39,27 @@ SCHEDULED = Outcome(OutcomeKind.SCHEDULED)
 APPLIED = Outcome(OutcomeKind.APPLIED)
 NOOP = Outcome(OutcomeKind.NOOP)
 NO_MODEL = TransferTiming(TimingMode.DESTINATION_MISSING, full_prompt_tokens=4)
+
+
+# What a handoff that succeeds records, in order (docs/semantics.md).
+EXPECTED_LIFECYCLE: dict[Order, tuple[LifecycleEvent, ...]] = {
+    Order.SOURCE_FIRST: (
+        LifecycleEvent.SOURCE_HELD,
+        LifecycleEvent.DESTINATION_ACCEPTED,
+        LifecycleEvent.DESTINATION_RESERVED,
+        LifecycleEvent.DESTINATION_ACTIVATED,
+        LifecycleEvent.SOURCE_RELEASED,
+        LifecycleEvent.COMPLETED,
+    ),
+    Order.DESTINATION_FIRST: (
+        LifecycleEvent.DESTINATION_ACCEPTED,
+        LifecycleEvent.DESTINATION_RESERVED,
+        LifecycleEvent.SOURCE_HELD,
+        LifecycleEvent.DESTINATION_ACTIVATED,
+        LifecycleEvent.SOURCE_RELEASED,
+        LifecycleEvent.COMPLETED,
+    ),
+}
 
 
 def kinds(actions: tuple[Action, ...]) -> list[ActionKind]:

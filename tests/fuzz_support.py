@@ -366,8 +366,11 @@ class Caller:
         self.tally.saw(code)
         return None
 
-    async def stream_actions(self, request: Message | bytes) -> None:
-        """Subscribes (or is refused); a subscription is ended once confirmed."""
+    async def stream_actions(self, request: Message | bytes) -> bool:
+        """Subscribes (or is refused); a subscription is ended once confirmed.
+
+        True when it subscribed: a new incarnation (garbage can decode as one)
+        then legitimately loses the handoffs the engine's previous one held."""
         self.tally.calls += 1
         call = self._multi("StreamActions", isinstance(request, bytes))(request, timeout=10)
         await call.initial_metadata()
@@ -377,6 +380,7 @@ class Caller:
             f"StreamActions: {code} {await call.details()}"
         )
         self.tally.saw(code)
+        return code not in REFUSALS
 
     async def connect(self, requests: Sequence[Message | bytes]) -> bool:
         """A whole Connect stream, half-closed after ``requests``; True when
@@ -434,7 +438,7 @@ async def fuzz_step(
             started = pb.StartHandoffResponse.FromString(answer).handoff.handoff_id
             fuzzer.known.started.append(started)
     elif kind == "StreamActions":
-        await caller.stream_actions(fuzzer.request(kind))
+        accepted = await caller.stream_actions(fuzzer.request(kind))
     elif kind == "Connect":
         requests: list[Message | bytes] = [fuzzer.request(kind) for _ in range(s.integer(0, 4))]
         if s.integer(0, 2):  # usually a proper hello first, so the reports get read
@@ -449,7 +453,7 @@ async def fuzz_step(
         if method == "Connect":
             accepted = await caller.connect([payload])
         elif method == "StreamActions":
-            await caller.stream_actions(payload)
+            accepted = await caller.stream_actions(payload)
         else:
             accepted = await caller.unary(method, payload) is not None
     if check_unchanged and not accepted:

@@ -8,7 +8,6 @@ import pytest
 
 from handoff_server.core import Handoff
 from handoff_server.model import (
-    EXPECTED_LIFECYCLE,
     ActionKind,
     Canceled,
     Completion,
@@ -30,6 +29,7 @@ from handoff_server.model import (
 from tests.core_support import (
     ACCEPTED,
     APPLIED,
+    EXPECTED_LIFECYCLE,
     HANDOFF_ID,
     NO_MODEL,
     NOOP,

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
-from tests.conftest import StartServer
+from tests.conftest import StartServer, streams_until
 from tests.fuzz_support import (
     METHODS,
     REFUSALS,
@@ -135,7 +135,7 @@ async def test_fuzzed_calls_are_refused_cleanly_while_valid_traffic_succeeds(
             await fuzz_step(fuzzer, target.caller, VALID)
         await valid
         target.valid_handoffs += 1
-        await target.server.engine_streams.wait_until(lambda live: not live)
+        await streams_until(target.server, lambda live: not live)
     target.check_bounded()
     no_errors_logged(caplog)
 
@@ -151,7 +151,7 @@ async def test_memory_stays_bounded_over_a_long_burst(
             # The snapshots are the property test's job; here they would
             # only slow the burst down (they are O(handoffs) per call).
             await fuzz_step(fuzzer, caller, VALID, check_unchanged=False)
-        await target.server.engine_streams.wait_until(lambda live: not live)
+        await streams_until(target.server, lambda live: not live)
 
     async with asyncio.timeout(60):
         # Warm-up: lazily built metric children, gRPC call objects, caches.
@@ -238,7 +238,7 @@ async def test_undecodable_requests_are_invalid_argument_and_change_nothing(
         else:
             # Bytes that happen to parse are an ordinary (fuzzed) request.
             assert code in REFUSALS | {grpc.StatusCode.CANCELLED, grpc.StatusCode.OK}, code
-        await target.server.engine_streams.wait_until(lambda live: not live)
+        await streams_until(target.server, lambda live: not live)
     assert snapshot(target.server, VALID) == before
     no_errors_logged(caplog)
 

@@ -25,7 +25,7 @@ from handoff_server.config import Settings
 from handoff_server.metrics import Metrics
 from handoff_server.registry import Registry
 from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
-from tests.conftest import StartServer
+from tests.conftest import StartServer, streams_until
 from tests.fuzz_support import REFUSAL_NUMBERS
 from tests.grpc_support import StreamRecorder
 from tests.security_support import Stub
@@ -139,13 +139,13 @@ async def test_engines_with_a_live_stream_are_capped(start_server: StartServer) 
         assert await first.stream_ended() is grpc.StatusCode.OK
         # When an engine goes away, its place is free.
         second.cancel()
-        await streams.wait_until(lambda live: "e2" not in live)
+        await streams_until(server, lambda live: "e2" not in live)
         third = StreamRecorder(stub, "e3")
         await third.subscribed()
         assert set(streams.live) == {"e1", "e3"}
         await again.close()
         await third.close()
-        await streams.wait_until(lambda live: not live)
+        await streams_until(server, lambda live: not live)
 
 
 async def hello_then_wait(engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
@@ -233,7 +233,7 @@ async def test_calls_per_identity_are_capped_and_an_engine_s_streams_count_once(
         assert usage.held() == 2
         again.cancel()
         second.cancel()
-        await server.engine_streams.wait_until(lambda live: not live)
+        await streams_until(server, lambda live: not live)
     assert server.quotas.usage("token busy") is None  # nothing held, nothing kept
 
 
@@ -410,7 +410,7 @@ async def test_keepalive_detects_a_dead_engine_and_ends_its_stream(
         await proxy.server_hung_up.wait()
         # ... and end the engine's subscription, so its handoffs are failed
         # after delivery_timeout instead of waiting for a dead peer forever.
-        await server.engine_streams.wait_until(lambda live: "quiet-engine" not in live)
+        await streams_until(server, lambda live: "quiet-engine" not in live)
         gauge = server.metrics.registry.get_sample_value("handoff_engine_streams")
         assert gauge == 0
         with contextlib.suppress(asyncio.CancelledError):
@@ -426,7 +426,7 @@ async def test_connections_are_closed_at_their_maximum_age(start_server: StartSe
         # After max age plus grace the stream is cut; an engine then resubscribes.
         assert await engine.code() is grpc.StatusCode.UNAVAILABLE
         assert await engine.details() == "max connection age"
-        await server.engine_streams.wait_until(lambda live: not live)
+        await streams_until(server, lambda live: not live)
         # The channel itself carries on over a new connection.
         assert await absent(stub) is grpc.StatusCode.NOT_FOUND
 

@@ -237,8 +237,8 @@ def test_tokens_come_from_the_environment_and_stay_out_of_repr() -> None:
     loaded = security.load_tokens(settings)
     assert loaded is not None
     assert len(loaded) == 2
-    assert loaded.accepts(OLD)
-    assert loaded.accepts(NEW)
+    assert loaded.identify(OLD) is not None
+    assert loaded.identify(NEW) is not None
     assert OLD not in repr(settings)
     assert security.load_tokens(Settings()) is None
 
@@ -259,7 +259,7 @@ def test_comparison_looks_at_every_token_whichever_matches(
     monkeypatch.setattr(hmac, "compare_digest", counting)
     for presented in (OLD, FROM_ENV, OLD[:-1], "x", "y" * 1000):
         compared.clear()
-        tokens.accepts(presented)
+        tokens.identify(presented)
         # Always three comparisons of two SHA-256 digests, whatever was sent.
         assert compared == [(32, 32)] * 3, presented
 

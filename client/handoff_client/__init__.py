@@ -10,6 +10,20 @@
 - :mod:`handoff_client.errors`: one exception per gRPC status.
 - :mod:`handoff_client.sim`: simulated engines and load, behind ``handoff sim``
   and ``handoff demo``.
+
+Which module owns what:
+
+- ``client``: :class:`HandoffClient`, one typed call per RPC.
+- ``sidecar``: :class:`EngineSidecar`: actions in, handlers run, reports out.
+- ``transport``: the seam between sidecar and coordinator, and the unary
+  transport; ``connect``: the Connect transport (one stream per engine).
+- ``outbox``: one handoff's reports, sent in order, one at a time.
+- ``cache``: what each action came to, so a redelivered one is answered again.
+- ``ledger``: per handoff side, what the engine did (tombstones against
+  late or reordered actions).
+- ``model``: the SDK's values; ``convert``: those values to and from the wire.
+- ``errors``: one exception per gRPC status; ``retry``: backoff with jitter.
+- ``credentials``: TLS material and the bearer token for a channel.
 """
 
 from handoff_client.client import HandoffClient

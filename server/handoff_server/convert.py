@@ -9,8 +9,6 @@ import math
 import re
 import uuid
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.delivery import Dispatch, Role
 from handoff_server.entries import Entry, Retained, StartRequest
@@ -108,10 +106,7 @@ def engine_id(value: str, field: str = "engine_id") -> str:
 
 def incarnation(value: str, field: str = "incarnation") -> str:
     """An engine's incarnation: empty (no fencing) or like an engine id."""
-    if value and not ENGINE_ID.fullmatch(value):
-        shown = value if len(value) <= 40 else value[:40] + "..."
-        raise InvalidArgument(f"{field} must be 1-128 characters of [A-Za-z0-9._:-], got {shown!r}")
-    return value
+    return engine_id(value, field) if value else value
 
 
 def session_id(value: str, field: str = "session_id") -> str:
@@ -240,34 +235,6 @@ def outcome(message: pb.Outcome) -> Outcome:
 
 
 # --- out --------------------------------------------------------------------
-#
-# Every report is answered with the handoff's full state, so these run on
-# every message. They write straight into the message being built: a
-# sub-message passed to a constructor is copied, and Timestamp's Python
-# helpers cost more than the two fields they set.
-
-NANOS_PER_SECOND = 1_000_000_000
-# Timestamp's valid range; FromNanoseconds raises ValueError outside it, and so does _stamp.
-MIN_SECONDS, MAX_SECONDS = -62_135_596_800, 253_402_300_799
-COMPLETION_UNSPECIFIED = pb.COMPLETION_UNSPECIFIED
-
-
-def _stamp(field: Timestamp, seconds: float) -> None:
-    """Set ``field`` to ``seconds`` exactly as ``Timestamp.FromNanoseconds`` would."""
-    whole, nanos = divmod(round(seconds * 1e9), NANOS_PER_SECOND)
-    if not MIN_SECONDS <= whole <= MAX_SECONDS:
-        raise ValueError(
-            f"Timestamp is not valid: Seconds {whole} must be in range "
-            f"[{MIN_SECONDS}, {MAX_SECONDS}]."
-        )
-    field.seconds = whole
-    field.nanos = nanos
-
-
-def timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    _stamp(stamp, seconds)
-    return stamp
 
 
 def action(dispatch: Dispatch) -> pb.Action:
@@ -292,74 +259,34 @@ def outstanding_action(entry: Entry, core_action: Action) -> pb.Action:
     return action(Dispatch(entry.handoff_id, core_action, role, engines[0]))
 
 
-# Phase and completion, encoded: the fields that change on most calls.
-STATES = {
-    (phase, completion): pb.Handoff(
-        phase=PHASES[phase],
-        completion=COMPLETION_UNSPECIFIED if completion is None else COMPLETIONS[completion],
-    ).SerializeToString()
-    for phase in Phase
-    for completion in (None, *Completion)
-}
-
-
-class Encoding:
-    """A handoff's answer, encoded but for what changes on most calls.
-
-    Kept with an Entry (Entry.encoding) and extended as its lifecycle grows:
-    answering a report then parses one string of bytes instead of building
-    every field and timestamp again (a parse costs a tenth as much). Every
-    field in it is set once, so the protobuf merge of a concatenation
-    (repeated fields appended) is the whole message.
-    """
-
-    __slots__ = ("wire", "events", "deadline")
-
-    def __init__(self, entry: Entry | Retained) -> None:
-        core = entry.core
-        message = pb.Handoff(
-            handoff_id=entry.handoff_id,
-            order=PB_ORDERS[core.order],
-            source_engine_id=entry.source_engine_id,
-            destination_engine_id=entry.destination_engine_id,
-            transfer_executor=ROLES[entry.transfer_executor],
-            fallback_transfer_delay_ms=core.fallback_transfer_delay_ms,
-        )
-        _stamp(message.started_at, entry.started_at)
-        # Changed once, when the transfer is scheduled: handoff() then encodes afresh.
-        _stamp(message.deadline, entry.deadline)
-        self.deadline = entry.deadline
-        self.wire = message.SerializeToString()
-        self.events = 0
-
-    def catch_up(self, entry: Entry | Retained) -> None:
-        """Encode the lifecycle events recorded since the last call."""
-        stamps = entry.lifecycle_at
-        if self.events == len(stamps):
-            return
-        message = pb.Handoff()
-        add_event = message.lifecycle.add
-        events = entry.core.lifecycle
-        for index in range(self.events, len(stamps)):
-            _stamp(add_event(kind=EVENTS[events[index]]).at, stamps[index])
-        self.wire += message.SerializeToString()
-        self.events = len(stamps)
-
-
 def handoff(entry: Entry | Retained) -> pb.Handoff:
-    if isinstance(entry, Entry):
-        encoding = entry.encoding
-        if not isinstance(encoding, Encoding) or encoding.deadline != entry.deadline:
-            encoding = entry.encoding = Encoding(entry)
-    else:
-        encoding = Encoding(entry)  # asked for rarely: late reports and GetHandoff
-    encoding.catch_up(entry)
+    """The whole handoff, as StartHandoff, the unary reports and GetHandoff answer it."""
     core = entry.core
-    message = pb.Handoff.FromString(encoding.wire + STATES[(core.phase, core.completion)])
+    # Sub-messages are written in place: one given to a constructor is copied.
+    message = pb.Handoff(
+        handoff_id=entry.handoff_id,
+        order=PB_ORDERS[core.order],
+        phase=PHASES[core.phase],
+        source_engine_id=entry.source_engine_id,
+        destination_engine_id=entry.destination_engine_id,
+        transfer_executor=ROLES[entry.transfer_executor],
+        fallback_transfer_delay_ms=core.fallback_transfer_delay_ms,
+    )
+    if core.completion is not None:
+        message.completion = COMPLETIONS[core.completion]
+    message.started_at.FromNanoseconds(_nanoseconds(entry.started_at))
+    message.deadline.FromNanoseconds(_nanoseconds(entry.deadline))
+    add_event = message.lifecycle.add
+    for event, at in zip(core.lifecycle, entry.lifecycle_at, strict=True):
+        add_event(kind=EVENTS[event]).at.FromNanoseconds(_nanoseconds(at))
     if isinstance(entry, Entry) and (outstanding := entry.core.outstanding):
         message.outstanding_actions.extend([outstanding_action(entry, a) for a in outstanding])
     if entry.completed_at is not None:
-        _stamp(message.completed_at, entry.completed_at)
+        message.completed_at.FromNanoseconds(_nanoseconds(entry.completed_at))
     if entry.abandoned_at is not None:
         message.abandoned = True
     return message
+
+
+def _nanoseconds(seconds: float) -> int:
+    return round(seconds * 1e9)

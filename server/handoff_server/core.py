@@ -23,6 +23,11 @@ freed what it held: nothing is owed to it.
 Every public call is atomic. All checks that can reject a call run before the
 first attribute is written, so a rejected call leaves the handoff exactly as
 it was (docs/semantics.md, correction 5).
+
+Longer than most modules (about 550 lines) on purpose: every transition of
+a handoff is here, next to the records it moves, so that the whole state
+machine reads in one file as h11's does; the per-side records and the
+journal are small and used by nothing else.
 """
 
 from __future__ import annotations

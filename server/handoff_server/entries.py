@@ -58,7 +58,6 @@ class Entry:
         "held_at",
         "cleanup_epoch",
         "redelivery_round",
-        "encoding",
     )
 
     def __init__(
@@ -88,9 +87,6 @@ class Entry:
         # handoff under the same id (evicted or expired, then reused).
         self.cleanup_epoch = 0
         self.redelivery_round = 0
-        # Kept by convert.handoff, opaque here: the answer's encoding so far,
-        # so that answering a report encodes only what the report changed.
-        self.encoding: object = None
 
     @property
     def handoff_id(self) -> str:

@@ -11,10 +11,14 @@ see :mod:`handoff_server.probes`) it counts the call against
   servicer's engine checks;
 - at most ``max_engines`` engines hold a live stream (StreamActions or
   Connect); a new subscription for an engine that already has one replaces
-  it in the registry and is always admitted;
-- a Connect peer that sends reports without reading the acknowledgements is
-  slowed down (its reports are not read) instead of the server queueing
-  acknowledgements for it without bound.
+  it in the registry and is always admitted.
+
+A Connect peer that does not read its acknowledgements is the servicer's to
+slow down (its ack window, ``Owed``): the guard does only what every call needs.
+
+About 440 lines because each stream kind's wrapper (StreamActions, Connect)
+must hold the limits it takes for exactly as long as the stream lives; they
+share the admission and release paths kept here.
 """
 
 from __future__ import annotations
@@ -103,7 +107,6 @@ class EngineStreams:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.live: dict[str, int] = {}
-        self._changed = asyncio.Event()
 
     def admit(self, engine_id: str) -> bool:
         count = self.live.get(engine_id, 0)
@@ -116,13 +119,6 @@ class EngineStreams:
         count = self.live.pop(engine_id) - 1
         if count:
             self.live[engine_id] = count
-        self._changed.set()
-
-    async def wait_until(self, predicate: Callable[[dict[str, int]], bool]) -> None:
-        """Until ``predicate(live)`` holds: lets tests await a stream's end."""
-        while not predicate(self.live):
-            self._changed.clear()
-            await self._changed.wait()
 
 
 class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -74,25 +74,6 @@ class LifecycleEvent(enum.Enum):
     DESTINATION_LOST = "destination_lost"
 
 
-EXPECTED_LIFECYCLE: dict[Order, tuple[LifecycleEvent, ...]] = {
-    Order.SOURCE_FIRST: (
-        LifecycleEvent.SOURCE_HELD,
-        LifecycleEvent.DESTINATION_ACCEPTED,
-        LifecycleEvent.DESTINATION_RESERVED,
-        LifecycleEvent.DESTINATION_ACTIVATED,
-        LifecycleEvent.SOURCE_RELEASED,
-        LifecycleEvent.COMPLETED,
-    ),
-    Order.DESTINATION_FIRST: (
-        LifecycleEvent.DESTINATION_ACCEPTED,
-        LifecycleEvent.DESTINATION_RESERVED,
-        LifecycleEvent.SOURCE_HELD,
-        LifecycleEvent.DESTINATION_ACTIVATED,
-        LifecycleEvent.SOURCE_RELEASED,
-        LifecycleEvent.COMPLETED,
-    ),
-}
-
 # Cleanup actions free memory; they may be applied or found to have nothing to do.
 CLEANUP_KINDS = frozenset(
     {ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE, ActionKind.CANCEL_DESTINATION}

@@ -15,7 +15,7 @@ answered INTERNAL, and is not undone. What the server does on its own after a
 call (an engine lost, a cleanup action settled for an engine that never
 received anything) runs as calls of its own once the first is done.
 
-Longer than most modules (about 600 lines) because the call path, the
+Longer than most modules (about 650 lines) because the call path, the
 server's own follow-up calls and the timer kinds all change the one handoff
 table and must stay in one synchronous object; what is separable lives in
 delivery, retention, entries and timers.

@@ -6,6 +6,11 @@ The checks themselves run in :mod:`handoff_server.guard` (tokens, before any
 handler) and in the servicer (engine identity, through :func:`authorize_engine`
 and :func:`authorize_report`, inside the same synchronous step that changes
 the handoff, so nothing can change between the check and the call).
+
+About 420 lines: three kinds of credential (TLS material, bearer tokens with
+their scopes, certificate names mapped to engines), each with a loader whose
+errors name the file and line, kept together so the whole trust model is
+read in one place.
 """
 
 from __future__ import annotations
@@ -161,9 +166,6 @@ class TokenSet:
             if hmac.compare_digest(accepted, digest):
                 found = who
         return found
-
-    def accepts(self, presented: str) -> bool:
-        return self.identify(presented) is not None
 
 
 def _checked_token(token: str, where: str) -> str:

@@ -1,8 +1,14 @@
 """The gRPC servicer: the one place where domain errors become status codes.
 
-Every handler validates its request (convert), makes one synchronous registry
-call, and answers. Nothing awaits between reading and changing a handoff, so
-no two calls interleave on one handoff.
+Every handler decodes its request (convert), makes one synchronous registry
+call, and returns; or, when that fails, refuses through :meth:`Servicer.refusal`,
+the one path from an error to a status. Nothing awaits between reading and
+changing a handoff, so no two calls interleave on one handoff. Every write to
+the network awaits :meth:`Servicer.durably` first (one line at each).
+
+About 480 lines, half of them Connect's: its reports, their acks (``Owed``,
+the ack window) and its actions share one stream and one flow-control
+budget, so they read best next to the unary calls they mirror.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import grpc
 
@@ -28,7 +34,6 @@ from handoff_server.registry import CallResult, Registry
 
 log = logging.getLogger("handoff.servicer")
 
-R = TypeVar("R")
 STREAM_BATCH = 256
 # Reports in one Connect message at most: all of a message's reports are
 # answered before any of their acks can be written, so this also bounds what
@@ -51,20 +56,13 @@ def _shown(handoff_id: str) -> str:
     return handoff_id if len(handoff_id) <= 64 else handoff_id[:64] + "..."
 
 
-class Rejection(Exception):
-    """A call refused with a gRPC status; raised out of :meth:`Servicer.answer`."""
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A call refused: the status it ends with (or its Connect ack carries)."""
 
-    def __init__(
-        self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.trailers = trailers
-
-    async def abort(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
-        await context.abort(self.code, self.message, self.trailers)
-        raise AssertionError("abort returns only by raising")
+    code: grpc.StatusCode
+    message: str
+    trailers: tuple[tuple[str, str], ...] = ()
 
 
 async def _nothing_pending() -> None:
@@ -96,28 +94,36 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except JournalFailed as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
-    def answer(self, rpc: str, subject: str | Callable[[], str], work: Callable[[], R]) -> R:
-        """Run ``work``; turn any failure into a Rejection with a clear message.
+    def refusal(self, rpc: str, subject: str, error: Exception) -> Refusal:
+        """The one path from a failed call to its status, counted; ``subject`` names what failed.
 
-        ``subject`` names what failed. Reports pass a callable: the name is
-        only needed on failure, and building it on every report costs more
-        than some reports do.
+        A domain error carries its own code; anything else is a bug, logged
+        with its traceback and answered INTERNAL without the details.
         """
         trailers: tuple[tuple[str, str], ...] = ()
-        try:
-            return work()
-        except HandoffError as error:
+        if isinstance(error, HandoffError):
             code, reason = grpc.StatusCode[error.code], error.message
-            named = subject if isinstance(subject, str) else subject()
             if isinstance(error, Fenced):
                 # The sidecar acts on why it was fenced, not on the message.
                 trailers = (("handoff-fence", error.fence.value),)
-        except Exception:
+        else:
             code, reason = grpc.StatusCode.INTERNAL, f"internal error in {rpc}"
-            named = subject if isinstance(subject, str) else subject()
-            log.exception("unexpected failure in %s", rpc, extra={"subject": named})
+            log.error("unexpected failure in %s", rpc, exc_info=error, extra={"subject": subject})
         self.metrics.rejected(rpc, code.name)
-        raise Rejection(code, f"{named}: {reason}", trailers)
+        return Refusal(code, f"{subject}: {reason}", trailers)
+
+    async def refuse(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        rpc: str,
+        subject: str,
+        error: Exception,
+    ) -> NoReturn:
+        """End the call with the status of ``error``."""
+        refusal = self.refusal(rpc, subject, error)
+        await self.durably(context)  # a refusal tells of state too (an id in use)
+        await context.abort(refusal.code, refusal.message, refusal.trailers)
+        raise AssertionError("abort returns only by raising")
 
     # --- unary --------------------------------------------------------------
 
@@ -126,28 +132,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.StartHandoffRequest,
         context: grpc.aio.ServicerContext[pb.StartHandoffRequest, pb.StartHandoffResponse],
     ) -> pb.StartHandoffResponse:
-        subject = f"handoff {_shown(request.handoff_id)}"
-
-        def work() -> pb.StartHandoffResponse:
+        try:
             start = convert.start_request(request)
-            trace = _trace_context(context)
-            if trace:
+            if trace := _trace_context(context):
                 start = dataclasses.replace(start, trace_context=trace)
             result = self.registry.start(start)
             answer = Answer.of(result)
-            return pb.StartHandoffResponse(
-                handoff=answer.handoff,
-                actions=answer.actions,
-                already_started=result.already_started,
-            )
-
-        try:
-            response = self.answer("StartHandoff", subject, work)
-        except Rejection as rejection:
-            await self.durably(context)  # a refusal tells of state too (an id in use)
-            await rejection.abort(context)
+        except Exception as error:
+            await self.refuse(context, "StartHandoff", _handoff_subject(request), error)
         await self.durably(context)
-        return response
+        return pb.StartHandoffResponse(
+            handoff=answer.handoff, actions=answer.actions, already_started=result.already_started
+        )
 
     async def ReportFact(
         self,
@@ -155,10 +151,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ReportFactRequest, pb.ReportFactResponse],
     ) -> pb.ReportFactResponse:
         try:
-            answer = Answer.of(self.report_fact(request, "ReportFact"))
-        except Rejection as rejection:
-            await self.durably(context)
-            await rejection.abort(context)
+            answer = Answer.of(self._report_fact(request))
+        except Exception as error:
+            await self.refuse(context, "ReportFact", _fact_subject(request), error)
         await self.durably(context)
         return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
 
@@ -168,10 +163,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ReportOutcomeRequest, pb.ReportOutcomeResponse],
     ) -> pb.ReportOutcomeResponse:
         try:
-            answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
-        except Rejection as rejection:
-            await self.durably(context)
-            await rejection.abort(context)
+            answer = Answer.of(self._report_outcome(request))
+        except Exception as error:
+            await self.refuse(context, "ReportOutcome", _outcome_subject(request), error)
         await self.durably(context)
         return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
 
@@ -180,37 +174,24 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.GetHandoffRequest,
         context: grpc.aio.ServicerContext[pb.GetHandoffRequest, pb.GetHandoffResponse],
     ) -> pb.GetHandoffResponse:
-        subject = f"handoff {_shown(request.handoff_id)}"
-
-        def work() -> pb.GetHandoffResponse:
-            entry = self.registry.get(convert.handoff_id(request.handoff_id))
-            return pb.GetHandoffResponse(handoff=convert.handoff(entry))
-
         try:
-            response = self.answer("GetHandoff", subject, work)
-        except Rejection as rejection:
-            await self.durably(context)
-            await rejection.abort(context)
+            handoff = convert.handoff(self.registry.get(convert.handoff_id(request.handoff_id)))
+        except Exception as error:
+            await self.refuse(context, "GetHandoff", _handoff_subject(request), error)
         await self.durably(context)
-        return response
+        return pb.GetHandoffResponse(handoff=handoff)
 
-    def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> CallResult:
-        def work() -> CallResult:
-            handoff_id = convert.handoff_id(request.handoff_id)
-            fact = convert.fact(request.fact)
-            security.authorize_report(self.registry.get(handoff_id), fact=fact)
-            return self.registry.report_fact(handoff_id, fact)
+    def _report_fact(self, request: pb.ReportFactRequest) -> CallResult:
+        handoff_id = convert.handoff_id(request.handoff_id)
+        fact = convert.fact(request.fact)
+        security.authorize_report(self.registry.get(handoff_id), fact=fact)
+        return self.registry.report_fact(handoff_id, fact)
 
-        return self.answer(rpc, lambda: _fact_subject(request), work)
-
-    def report_outcome(self, request: pb.ReportOutcomeRequest, rpc: str) -> CallResult:
-        def work() -> CallResult:
-            handoff_id = convert.handoff_id(request.handoff_id)
-            outcome = convert.outcome(request.outcome)
-            security.authorize_report(self.registry.get(handoff_id), action_id=request.action_id)
-            return self.registry.report_outcome(handoff_id, request.action_id, outcome)
-
-        return self.answer(rpc, lambda: _outcome_subject(request), work)
+    def _report_outcome(self, request: pb.ReportOutcomeRequest) -> CallResult:
+        handoff_id = convert.handoff_id(request.handoff_id)
+        outcome = convert.outcome(request.outcome)
+        security.authorize_report(self.registry.get(handoff_id), action_id=request.action_id)
+        return self.registry.report_outcome(handoff_id, request.action_id, outcome)
 
     # --- streams --------------------------------------------------------------
 
@@ -221,15 +202,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> AsyncIterator[pb.Action]:
         ready = asyncio.Event()
         try:
-            subscription = self.answer(
-                "StreamActions",
-                "stream",
-                lambda: self._subscribe(
-                    request.engine_id, request.incarnation, request.session_id, ready.set
-                ),
+            subscription = self._subscribe(
+                request.engine_id, request.incarnation, request.session_id, ready.set
             )
-        except Rejection as rejection:
-            await rejection.abort(context)
+        except Exception as error:
+            await self.refuse(context, "StreamActions", "stream", error)
         engine_id = subscription.engine_id
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
@@ -275,16 +252,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         first = await anext(aiter(request_iterator), None)
         ready = asyncio.Event()
         try:
-            hello = self.answer("Connect", "connect", lambda: _hello(first))
-            subscription = self.answer(
-                "Connect",
-                "connect",
-                lambda: self._subscribe(
-                    hello.engine_id, hello.incarnation, hello.session_id, ready.set
-                ),
+            hello = _hello(first)
+            subscription = self._subscribe(
+                hello.engine_id, hello.incarnation, hello.session_id, ready.set
             )
-        except Rejection as rejection:
-            await rejection.abort(context)
+        except Exception as error:
+            await self.refuse(context, "Connect", "connect", error)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
@@ -306,9 +279,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 if reader.done():
                     try:
                         reader.result()  # surfaces a read error, if any
-                    except Rejection as rejection:
+                    except HandoffError as error:
                         # Everything before the refused message is acknowledged.
-                        await rejection.abort(context)
+                        await self.refuse(context, "Connect", f"engine {hello.engine_id}", error)
                     return  # the engine half-closed and everything is acknowledged
                 await ready.wait()
         finally:
@@ -325,7 +298,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> None:
         try:
             async for request in requests:
-                for index, report in enumerate(self._capped_reports(engine_id, request), 1):
+                for index, report in enumerate(_capped_reports(request), 1):
                     self._report(report, owed)
                     if owed.full:
                         # The ack window: nothing more is read until the
@@ -341,38 +314,24 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         finally:
             ready.set()
 
-    def _capped_reports(
-        self, engine_id: str, request: pb.ConnectRequest
-    ) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
-        """The message's reports, refused whole (before any is handled) when too many."""
-        reports = reports_of(request)
-        if len(reports) > MAX_REPORTS_PER_MESSAGE:
-
-            def refuse() -> None:
-                raise ResourceExhausted(
-                    f"a Connect message carries {len(reports)} reports; the limit is "
-                    f"{MAX_REPORTS_PER_MESSAGE} per message (max_reports_per_message)"
-                )
-
-            self.answer("Connect", f"engine {engine_id}", refuse)
-        return reports
-
     def _report(self, request: pb.ConnectRequest | pb.ConnectReport, owed: Owed) -> None:
         """Handle one report and write its acknowledgement where it will be sent."""
         which = request.WhichOneof("kind")
         try:
             if which == "fact":
-                result = self.report_fact(request.fact, "Connect")
+                result = self._report_fact(request.fact)
             elif which == "outcome":
-                result = self.report_outcome(request.outcome, "Connect")
+                result = self._report_outcome(request.outcome)
             else:
-                self.answer("Connect", "connect", _unexpected_hello)
-                raise AssertionError("unreachable")
-        except Rejection as rejection:
+                raise InvalidArgument(
+                    "a report must carry a fact or an outcome; hello comes once, first"
+                )
+        except Exception as error:
+            refusal = self.refusal("Connect", _report_subject(request), error)
             ack = owed.ack(request.request_id)
-            ack.code = rejection.code.value[0]
-            ack.message = rejection.message
-            owed.bytes += len(rejection.message)
+            ack.code = refusal.code.value[0]
+            ack.message = refusal.message
+            owed.bytes += len(refusal.message)
             return
         ack = owed.ack(request.request_id)
         if not owed.lean_acks:
@@ -468,6 +427,17 @@ def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
     return request.hello
 
 
+def _capped_reports(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
+    """The message's reports, refused whole (before any is handled) when too many."""
+    reports = reports_of(request)
+    if len(reports) > MAX_REPORTS_PER_MESSAGE:
+        raise ResourceExhausted(
+            f"a Connect message carries {len(reports)} reports; the limit is "
+            f"{MAX_REPORTS_PER_MESSAGE} per message (max_reports_per_message)"
+        )
+    return reports
+
+
 def reports_of(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
     """The reports in one Connect message after the hello, in order; one ack is owed each.
 
@@ -481,6 +451,19 @@ def reports_of(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.Co
     return [request, *batch]
 
 
+def _handoff_subject(request: pb.StartHandoffRequest | pb.GetHandoffRequest) -> str:
+    return f"handoff {_shown(request.handoff_id)}"
+
+
+def _report_subject(request: pb.ConnectRequest | pb.ConnectReport) -> str:
+    which = request.WhichOneof("kind")
+    if which == "fact":
+        return _fact_subject(request.fact)
+    if which == "outcome":
+        return _outcome_subject(request.outcome)
+    return "connect"
+
+
 def _fact_subject(request: pb.ReportFactRequest) -> str:
     kind = request.fact.WhichOneof("kind") or "unset"
     return f"handoff {_shown(request.handoff_id)}, fact {kind}"
@@ -489,10 +472,6 @@ def _fact_subject(request: pb.ReportFactRequest) -> str:
 def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
     kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
     return f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
-
-
-def _unexpected_hello() -> None:
-    raise InvalidArgument("a report must carry a fact or an outcome; hello comes once, first")
 
 
 def _trace_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
