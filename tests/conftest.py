@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 
+from handoff_client import HandoffClient, TransportKind
+from handoff_client.transport import TRANSPORT_KINDS
 from handoff_server import app
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.guard import EngineStreams
+from tests.sidecar_support import TIMEOUT_S as SIDECAR_TIMEOUT_S
 
 StartServer = Callable[..., Awaitable[Server]]
 
@@ -108,3 +111,22 @@ async def start_lean_server() -> AsyncIterator[StartServer]:
 @pytest.fixture
 async def lean_server(start_lean_server: StartServer) -> Server:
     return await start_lean_server()
+
+
+# --- sidecar tests ------------------------------------------------------------
+
+
+@pytest.fixture(params=TRANSPORT_KINDS)
+def kind(request: pytest.FixtureRequest) -> TransportKind:
+    """The transport the test's sidecars use."""
+    kind: TransportKind = request.param
+    return kind
+
+
+@pytest.fixture
+async def client(lean_server: Server) -> AsyncIterator[HandoffClient]:
+    """An SDK client of a lean server (no metrics endpoint)."""
+    async with HandoffClient(
+        f"127.0.0.1:{lean_server.port}", timeout_s=SIDECAR_TIMEOUT_S
+    ) as client:
+        yield client

@@ -186,3 +186,15 @@ async def start(client: HandoffClient, stack: EngineType = EngineType.VLLM) -> s
         transfer_executor=Role.DESTINATION if stack is EngineType.VLLM else Role.SOURCE,
     )
     return handoff_id
+
+
+def holding_prefill() -> tuple[ScriptedEngine, asyncio.Event]:
+    """A prefill that answers SUBMITTED and never reports SourceHeld: it holds."""
+    engine, submitted = ScriptedEngine(), asyncio.Event()
+
+    async def submit(action: Action, facts: Facts) -> Outcome:
+        submitted.set()
+        return Outcome(OutcomeKind.SUBMITTED)
+
+    engine.overrides[ActionKind.SUBMIT_PREFILL] = submit
+    return engine, submitted

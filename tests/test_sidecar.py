@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -27,8 +26,7 @@ from handoff_client import (
     Phase,
     TransportKind,
 )
-from handoff_client.transport import TRANSPORT_KINDS, make_transport
-from handoff_server.app import Server
+from handoff_client.transport import make_transport
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 from tests.sidecar_support import (
     DESTINATION,
@@ -40,19 +38,6 @@ from tests.sidecar_support import (
     running,
     start,
 )
-
-
-@pytest.fixture(params=TRANSPORT_KINDS)
-def kind(request: pytest.FixtureRequest) -> TransportKind:
-    """The transport the test's sidecars use."""
-    kind: TransportKind = request.param
-    return kind
-
-
-@pytest.fixture
-async def client(lean_server: Server) -> AsyncIterator[HandoffClient]:
-    async with HandoffClient(f"127.0.0.1:{lean_server.port}", timeout_s=TIMEOUT_S) as client:
-        yield client
 
 
 @pytest.mark.parametrize("stack", [EngineType.VLLM, EngineType.SGLANG])

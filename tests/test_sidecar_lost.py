@@ -8,63 +8,24 @@ Both transports. Incarnations and fencing: tests/test_sidecar_fencing.py.
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
-
-import pytest
 
 from handoff_client import (
-    SUBMITTED,
-    Action,
     ActionKind,
     Completion,
     EngineLost,
-    EngineType,
-    Facts,
     HandoffClient,
-    Outcome,
     Role,
     TransportKind,
 )
-from handoff_client.transport import TRANSPORT_KINDS
-from handoff_server.app import Server
-from tests.sidecar_support import DESTINATION, SOURCE, TIMEOUT_S, ScriptedEngine, running
-
-
-@pytest.fixture(params=TRANSPORT_KINDS)
-def kind(request: pytest.FixtureRequest) -> TransportKind:
-    """The transport the test's sidecars use."""
-    kind: TransportKind = request.param
-    return kind
-
-
-@pytest.fixture
-async def client(lean_server: Server) -> AsyncIterator[HandoffClient]:
-    async with HandoffClient(f"127.0.0.1:{lean_server.port}", timeout_s=TIMEOUT_S) as client:
-        yield client
-
-
-def holding_prefill() -> tuple[ScriptedEngine, asyncio.Event]:
-    """A prefill that answers SUBMITTED and never reports SourceHeld: it holds."""
-    engine, submitted = ScriptedEngine(), asyncio.Event()
-
-    async def submit(action: Action, facts: Facts) -> Outcome:
-        submitted.set()
-        return SUBMITTED
-
-    engine.overrides[ActionKind.SUBMIT_PREFILL] = submit
-    return engine, submitted
-
-
-async def start(client: HandoffClient) -> str:
-    handoff_id = str(uuid.uuid4())
-    await client.start_handoff(
-        handoff_id,
-        engine_type=EngineType.VLLM,
-        source_engine_id=SOURCE,
-        destination_engine_id=DESTINATION,
-    )
-    return handoff_id
+from tests.sidecar_support import (
+    DESTINATION,
+    SOURCE,
+    TIMEOUT_S,
+    ScriptedEngine,
+    holding_prefill,
+    running,
+    start,
+)
 
 
 async def test_an_engine_declared_lost_while_alive_frees_on_the_notice(
