@@ -25,28 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import free_port
+from tests.grpc_support import ACCEPTED, APPLIED, HELD, RESERVED, SCHEDULED, SUBMITTED, TRANSFERRED
 from tests.security_support import Stub
 
 START_WITHIN_S = 20.0
 # Each handoff of the well-behaved client must finish within this, attack or not.
 HANDOFF_WITHIN_S = 5.0
-
-SUBMITTED = pb.Outcome(kind=pb.OUTCOME_KIND_SUBMITTED)
-ACCEPTED = pb.Outcome(kind=pb.OUTCOME_KIND_ACCEPTED)
-SCHEDULED = pb.Outcome(kind=pb.OUTCOME_KIND_SCHEDULED)
-APPLIED = pb.Outcome(kind=pb.OUTCOME_KIND_APPLIED)
-HELD = pb.Fact(
-    source_held=pb.SourceHeld(
-        transfer_timing=pb.TransferTiming(
-            mode=pb.TRANSFER_TIMING_MODE_FULL_PROMPT,
-            full_prompt_tokens=64,
-            kv_bytes_per_token=1024,
-            bandwidth_gb_s=10.0,
-        )
-    )
-)
-RESERVED = pb.Fact(destination_reserved=pb.DestinationReserved(transferable_prompt_tokens=64))
-TRANSFERRED = pb.Fact(transfer_completed=pb.TransferCompleted())
 
 
 def proc_status(pid: int, field: str) -> int:
