@@ -11,7 +11,7 @@ from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from handoff_server.core import Handoff
 from handoff_server.delivery import ROLE_OF, Role
@@ -32,7 +32,12 @@ class StartRequest:
     trace_context: tuple[tuple[str, str], ...] = ()
 
 
-Routed = tuple[float, ActionKind, tuple[str, ...]]  # issued at, kind, engines it went to
+class Routed(NamedTuple):
+    """An outstanding action as the registry routed it."""
+
+    issued_at: float
+    kind: ActionKind
+    engines: tuple[str, ...]  # the engines it went to
 
 
 class Entry:

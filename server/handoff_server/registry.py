@@ -35,7 +35,7 @@ from typing import Protocol
 from handoff_server.config import Settings
 from handoff_server.core import Handoff
 from handoff_server.delivery import Delivery, Dispatch, Role, Subscription
-from handoff_server.entries import Entry, Retained, StartRequest
+from handoff_server.entries import Entry, Retained, Routed, StartRequest
 from handoff_server.logs import BurstLog
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -407,7 +407,7 @@ class Registry:
             entry.deadline = min(entry.deadline + action.delay_ms / 1000.0, now + MAX_EXTENSION_S)
             self._schedule(entry.deadline, TimerKind.DEADLINE, entry.handoff_id, entry.deadline)
         if action.kind is not ActionKind.COMPLETE:
-            entry.routed[action.id] = (now, action.kind, engines)
+            entry.routed[action.id] = Routed(now, action.kind, engines)
         if (
             action.kind in CLEANUP_KINDS
             and entry.completed_at is None  # a success being reopened reached both sides

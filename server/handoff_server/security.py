@@ -397,9 +397,9 @@ def authorize_report(
         raise PermissionDenied(f"{caller} acts for no engine of this handoff")
     if action_id is not None:
         routed = entry.routed.get(action_id)
-        if routed is not None and not caller.engines.intersection(routed[2]):
+        if routed is not None and not caller.engines.intersection(routed.engines):
             raise PermissionDenied(
-                f"action {action_id} is addressed to {', '.join(routed[2])}, not to {caller}"
+                f"action {action_id} is addressed to {', '.join(routed.engines)}, not to {caller}"
             )
         return
     allowed = _reporters(entry, fact)
