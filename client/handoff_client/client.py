@@ -21,6 +21,7 @@ import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_client import tracing
 from handoff_client.convert import (
     action_from_pb,
     actions_from_pb,
@@ -155,7 +156,11 @@ class HandoffClient:
             transfer_executor=pb.Role.Value("ROLE_" + transfer_executor.name),
             timeout_s=handoff_timeout_s,  # None leaves it absent: the server default
         )
-        response = await self._call(self._stub.StartHandoff, request, timeout_s, retry=False)
+        # The caller's trace continues in the coordinator (with the otel extra).
+        metadata = self._metadata + tracing.current_context_metadata()
+        response = await self._call(
+            self._stub.StartHandoff, request, timeout_s, retry=False, metadata=metadata
+        )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
     async def report_fact(
@@ -232,6 +237,7 @@ class HandoffClient:
         timeout_s: float | None,
         *,
         retry: bool,
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> Response:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -239,7 +245,9 @@ class HandoffClient:
         while True:
             try:
                 return await method(
-                    request, timeout=deadline - loop.time(), metadata=self._metadata
+                    request,
+                    timeout=deadline - loop.time(),
+                    metadata=self._metadata if metadata is None else metadata,
                 )
             except grpc.aio.AioRpcError as error:
                 failures += 1

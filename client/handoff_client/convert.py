@@ -43,6 +43,8 @@ def action_from_pb(message: pb.Action) -> Action:
         engine_id=message.engine_id,
         attempt=message.attempt,
         delay_ms=message.delay_ms,
+        traceparent=message.traceparent,
+        tracestate=message.tracestate,
     )
 
 

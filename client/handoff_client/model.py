@@ -172,6 +172,8 @@ class Action:
     engine_id: str  # empty in an RPC answer for a COMPLETE sent to both engines
     attempt: int  # delivery attempt on a stream, from 1; 0 in RPC answers
     delay_ms: float = 0.0  # START_TRANSFER only: how long the transfer should take
+    traceparent: str = ""  # W3C trace context of the coordinator's span for it, if traced
+    tracestate: str = ""
 
 
 @dataclass(frozen=True, slots=True)

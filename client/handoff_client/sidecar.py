@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, Self
 
+from handoff_client import tracing
 from handoff_client.cache import OutcomeCache
 from handoff_client.client import HandoffClient
 from handoff_client.errors import HandoffRpcError, NotFoundError
@@ -349,7 +350,8 @@ class EngineSidecar:
         """The handler's outcome, or None to leave a cleanup action for redelivery."""
         self._handled += 1
         try:
-            outcome = await self._handlers[action.kind](action, self.facts)
+            with tracing.handler_span(action):
+                outcome = await self._handlers[action.kind](action, self.facts)
         except Exception as error:  # an engine bug must not wedge the handoff
             self._handler_errors += 1
             log.exception("%s handler raised", action.kind.name, extra=self._log_extra(action))
@@ -367,7 +369,8 @@ class EngineSidecar:
 
     async def _notify_complete(self, action: Action) -> None:
         try:
-            await self._engine.complete(action)
+            with tracing.handler_span(action):
+                await self._engine.complete(action)
         except Exception:
             self._handler_errors += 1
             log.exception("COMPLETE handler raised", extra=self._log_extra(action))

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import security
+from handoff_server import security, tracing
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EngineStreams, Guard, grpc_options
@@ -45,7 +45,10 @@ class Server:
         self.clock = clock if clock is not None else WallClock()
         self.metrics = Metrics()
         self._timer_wakeup = asyncio.Event()
-        self.registry = Registry(settings, self.metrics, self.clock, self._timer_wakeup.set)
+        self.tracer = tracing.from_settings(settings.otlp_endpoint)
+        self.registry = Registry(
+            settings, self.metrics, self.clock, self._timer_wakeup.set, self.tracer
+        )
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -228,4 +231,7 @@ class Server:
             await self._health_grpc.stop(grace=None)
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.stop()
+        if self.tracer.on:
+            # Exports the spans still buffered: blocking, so off the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
         log.info("stopped")

@@ -5,9 +5,11 @@ A violation raises InvalidArgument naming the field, before anything is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import uuid
+from collections.abc import Iterable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -150,6 +152,22 @@ def start_request(request: pb.StartHandoffRequest) -> StartRequest:
     )
 
 
+def traced(start: StartRequest, metadata: Iterable[tuple[str, str | bytes]] | None) -> StartRequest:
+    """``start`` with the caller's W3C trace context from StartHandoff's metadata.
+
+    A malformed traceparent is not the call's failure: the handoff then
+    starts a trace of its own (OpenTelemetry's extraction ignores it).
+    """
+    found = {key: value for key, value in metadata or () if key in TRACE_KEYS}
+    traceparent, tracestate = found.get("traceparent", ""), found.get("tracestate", "")
+    if not isinstance(traceparent, str) or not isinstance(tracestate, str):
+        return start
+    return dataclasses.replace(start, traceparent=traceparent[:512], tracestate=tracestate[:512])
+
+
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
 # Values without a payload, immutable: one of each serves every report.
 FACT_TRANSFER_COMPLETED, FACT_TIMED_OUT, FACT_FAILED, FACT_CANCELED = (
     TransferCompleted(),
@@ -268,6 +286,8 @@ def action(dispatch: Dispatch) -> pb.Action:
         message.delay_ms = dispatch.action.delay_ms
     if dispatch.action.completion is not None:
         message.completion = COMPLETIONS[dispatch.action.completion]
+    if dispatch.trace is not None:
+        message.traceparent, message.tracestate = dispatch.trace
     return message
 
 

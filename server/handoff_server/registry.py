@@ -46,6 +46,7 @@ from handoff_server.model import (
 )
 from handoff_server.packing import Completed, pack
 from handoff_server.timers import Timer, TimerHeap
+from handoff_server.tracing import OFF, Tracer
 
 log = logging.getLogger("handoff.registry")
 
@@ -95,6 +96,8 @@ class StartRequest:
     fallback_transfer_delay_ms: float
     transfer_executor: Role = Role.SOURCE
     timeout_s: float | None = None
+    traceparent: str = ""  # the caller's W3C trace context, from StartHandoff's metadata
+    tracestate: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,7 @@ class Dispatch:
     target: Role
     engine_id: str
     attempt: int = 0
+    trace: tuple[str, str] | None = None  # the action span's traceparent and tracestate
 
 
 Routed = tuple[float, ActionKind, tuple[str, ...]]  # issued at, kind, engines it went to
@@ -131,6 +135,7 @@ class Entry:
         "cleanup_epoch",
         "redelivery_round",
         "encoding",
+        "trace",
     )
 
     def __init__(
@@ -160,6 +165,7 @@ class Entry:
         # Kept by convert.handoff, opaque here: the answer's encoding so far,
         # so that answering a report encodes only what the report changed.
         self.encoding: object = None
+        self.trace: object = None  # tracing.HandoffTrace when tracing is on
 
     @property
     def handoff_id(self) -> str:
@@ -187,7 +193,14 @@ class Retained:
     Entry. A call that reaches it runs on an unpacked Entry (see unpack).
     """
 
-    __slots__ = ("core", "source_engine_id", "destination_engine_id", "transfer_executor", "_times")
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "trace",
+        "_times",
+    )
 
     # Nothing is outstanding once complete; read by security.authorize_report.
     routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
@@ -198,6 +211,7 @@ class Retained:
         self.source_engine_id = entry.source_engine_id
         self.destination_engine_id = entry.destination_engine_id
         self.transfer_executor = entry.transfer_executor
+        self.trace = entry.trace
         times = (entry.started_at, entry.deadline, entry.completed_at, *entry.lifecycle_at)
         self._times = array("d", times).tobytes()
 
@@ -233,6 +247,7 @@ class Retained:
         )
         entry.completed_at = self.completed_at
         entry.lifecycle_at = self.lifecycle_at
+        entry.trace = self.trace
         return entry
 
 
@@ -295,8 +310,10 @@ class Registry:
         metrics: Metrics,
         clock: Clock,
         on_earlier_timer: Callable[[], None] = lambda: None,
+        tracer: Tracer = OFF,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer
         self.metrics = metrics
         self.clock = clock
         self._on_earlier_timer = on_earlier_timer
@@ -386,11 +403,13 @@ class Registry:
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, ("deadline", request.handoff_id), entry.deadline)
         self._engage(entry, now)
+        if self.tracer.on:
+            self.tracer.started(entry, request.traceparent, request.tracestate, now)
         return CallResult(entry, self._call(entry, Handoff.start))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
         entry = self._unpacked(handoff_id)
-        dispatches = self._call(entry, lambda core: core.apply_fact(fact))
+        dispatches = self._call(entry, lambda core: core.apply_fact(fact), fact=(fact, origin))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], origin)].inc()
         return CallResult(entry, dispatches)
 
@@ -437,6 +456,8 @@ class Registry:
             if key not in channel.queue and dispatch.attempt > 0:
                 channel.queue[key] = dispatch
                 self.metrics.redeliveries_by[dispatch.action.kind].inc()
+                if self.tracer.on:
+                    self.tracer.redelivered(self.handoffs[key[0]], dispatch)
         if channel.queue:
             on_ready()
         return subscription
@@ -482,6 +503,7 @@ class Registry:
                 dispatch.target,
                 dispatch.engine_id,
                 dispatch.attempt + 1,
+                dispatch.trace,
             )
             if dispatch.action.kind is not ActionKind.COMPLETE:
                 channel.unacked[key] = dispatch
@@ -553,6 +575,7 @@ class Registry:
         entry: Entry,
         call: Callable[[Handoff], tuple[Action, ...]],
         acknowledged: tuple[int, Outcome] | None = None,
+        fact: tuple[Fact, str] | None = None,
     ) -> tuple[Dispatch, ...]:
         core = entry.core
         checkpoint = core.checkpoint()
@@ -574,6 +597,8 @@ class Registry:
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         self._stamp_lifecycle(entry, events_before, now)
+        if self.tracer.on:
+            self.tracer.called(entry, fact, phase_before, completion_before, now)
         dispatches = tuple(self._route(entry, action, now) for action in actions)
         self._after_transition(entry, phase_before, completion_before, now)
         self._fail_doomed()
@@ -582,7 +607,12 @@ class Registry:
     def _acknowledge(self, entry: Entry, action_id: int, outcome: Outcome, now: float) -> None:
         issued_at, kind, engines = entry.routed.pop(action_id)
         self.metrics.outcomes_by[outcome.kind].inc()
-        self.metrics.latency_by[kind].observe(now - issued_at)
+        if self.tracer.on:
+            attempts = self._attempts(entry.handoff_id, action_id, engines)
+            self.tracer.outcome(entry, action_id, outcome, attempts, now)
+            self.metrics.latency_by[kind].observe(now - issued_at, self.tracer.exemplar(entry))
+        else:
+            self.metrics.latency_by[kind].observe(now - issued_at)
         if (
             kind in (ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE)
             and outcome.kind is not OutcomeKind.FAILED
@@ -591,6 +621,19 @@ class Registry:
             self.metrics.source_hold.observe(now - entry.held_at)
             entry.held_at = None
         self._drop_deliveries(entry.handoff_id, action_id, engines)
+
+    def _attempts(self, handoff_id: str, action_id: int, engines: tuple[str, ...]) -> int:
+        """How many times an action was written to its engines' streams, at most."""
+        key = (handoff_id, action_id)
+        return max(
+            (
+                dispatch.attempt
+                for engine_id in engines
+                if (channel := self._channels.get(engine_id)) is not None
+                and (dispatch := channel.unacked.get(key)) is not None
+            ),
+            default=0,
+        )
 
     def _stamp_lifecycle(self, entry: Entry, events_before: int, now: float) -> None:
         lifecycle = entry.core.lifecycle
@@ -610,9 +653,10 @@ class Registry:
             self._schedule(entry.deadline, ("deadline", entry.handoff_id), entry.deadline)
         if action.kind is not ActionKind.COMPLETE:
             entry.routed[action.id] = (now, action.kind, engines)
+        trace = self.tracer.issued(entry, action, engines, now) if self.tracer.on else None
         for engine_id in engines:
             channel = self._channel(engine_id)
-            dispatch = Dispatch(entry.handoff_id, action, role, engine_id)
+            dispatch = Dispatch(entry.handoff_id, action, role, engine_id, trace=trace)
             key = (entry.handoff_id, action.id)
             channel.queue[key] = dispatch
             if action.kind is not ActionKind.COMPLETE:
@@ -621,7 +665,8 @@ class Registry:
                     self._doomed[entry.handoff_id] = None
             channel.notify()
         # In a call's answer, a notice to both engines names neither.
-        return Dispatch(entry.handoff_id, action, role, engines[0] if len(engines) == 1 else "")
+        engine_id = engines[0] if len(engines) == 1 else ""
+        return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace)
 
     def _after_transition(
         self, entry: Entry, phase_before: Phase, completion_before: Completion | None, now: float
@@ -656,7 +701,12 @@ class Registry:
             assert completion is not None
             entry.completed_at = now
             self.metrics.completed_by[completion].inc()
-            self.metrics.duration_by[completion].observe(now - entry.started_at)
+            if self.tracer.on:
+                self.tracer.completed(entry, completion, now)
+                duration = now - entry.started_at
+                self.metrics.duration_by[completion].observe(duration, self.tracer.exemplar(entry))
+            else:
+                self.metrics.duration_by[completion].observe(now - entry.started_at)
             # The core forgot its journal: nothing is outstanding any more.
             for action_id, (_, _, engines) in entry.routed.items():
                 self._drop_deliveries(entry.handoff_id, action_id, engines)
@@ -674,7 +724,7 @@ class Registry:
 
     def _server_fact(self, entry: Entry, fact: Fact) -> None:
         """A fact the server observed itself: a deadline, an unreachable engine, shutdown."""
-        self._call(entry, lambda core: core.apply_fact(fact))
+        self._call(entry, lambda core: core.apply_fact(fact), fact=(fact, "server"))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], "server")].inc()
 
     def _fail_doomed(self) -> None:
@@ -779,6 +829,8 @@ class Registry:
                 ):
                     channel.queue[key] = dispatch
                     self.metrics.redeliveries_by[dispatch.action.kind].inc()
+                    if self.tracer.on:
+                        self.tracer.redelivered(entry, dispatch)
                     channel.notify()
         entry.redelivery_round += 1
         delay = min(
@@ -801,6 +853,8 @@ class Registry:
             handoff_id=entry.handoff_id,
         )
         self.metrics.abandoned.inc()
+        if self.tracer.on:
+            self.tracer.abandoned(entry, self.clock())
         self._remove(entry)
         for finished in self._on_finished:
             finished(entry.handoff_id)

@@ -90,7 +90,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subject = f"handoff {_shown(request.handoff_id)}"
 
         def work() -> pb.StartHandoffResponse:
-            answer = Answer.of(self.registry.start(convert.start_request(request)))
+            start = convert.start_request(request)
+            if self.registry.tracer.on:
+                start = convert.traced(start, context.invocation_metadata())
+            answer = Answer.of(self.registry.start(start))
             return pb.StartHandoffResponse(handoff=answer.handoff, actions=answer.actions)
 
         try:
