@@ -40,12 +40,21 @@ class WallClock:
 
 
 class Server:
-    def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Clock | None = None,
+        tracer: tracing.Tracer | None = None,
+    ) -> None:
         self.settings = settings
         self.clock = clock if clock is not None else WallClock()
         self.metrics = Metrics()
         self._timer_wakeup = asyncio.Event()
-        self.tracer = tracing.from_settings(settings.otlp_endpoint)
+        # A tracer given (a test's) is its giver's to shut down; one made here is ours.
+        self._own_tracer = tracer is None
+        self.tracer = (
+            tracer if tracer is not None else tracing.from_settings(settings.otlp_endpoint)
+        )
         self.registry = Registry(
             settings, self.metrics, self.clock, self._timer_wakeup.set, self.tracer
         )
@@ -231,7 +240,7 @@ class Server:
             await self._health_grpc.stop(grace=None)
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.stop()
-        if self.tracer.on:
+        if self.tracer.on and self._own_tracer:
             # Exports the spans still buffered: blocking, so off the loop.
             await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
         log.info("stopped")
