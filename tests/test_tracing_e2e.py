@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanContext
@@ -34,9 +34,22 @@ from handoff_server.config import Settings
 from tests.conftest import LOOPBACK
 from tests.sidecar_support import DESTINATION, SOURCE, TIMEOUT_S, ScriptedEngine, running, start
 
+
+class Ended(SpanProcessor):
+    """Wakes a waiting test each time a span ends (spans end on the event loop here)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.event.set()
+
+
 EXPORTER = InMemorySpanExporter()
+ENDED = Ended()
 PROVIDER = TracerProvider()
 PROVIDER.add_span_processor(SimpleSpanProcessor(EXPORTER))
+PROVIDER.add_span_processor(ENDED)
 # The global provider can be set once per process; the sidecars' spans go there.
 trace.set_tracer_provider(PROVIDER)
 
@@ -63,13 +76,15 @@ async def _spans_until(count: int) -> tuple[ReadableSpan, ...]:
     """The finished spans once there are ``count``: handlers end theirs as they return."""
     async with asyncio.timeout(TIMEOUT_S):
         while len(spans := EXPORTER.get_finished_spans()) < count:
-            await asyncio.sleep(0.01)
+            ENDED.event.clear()
+            await ENDED.event.wait()
     return spans
 
 
 def _context(span: ReadableSpan) -> SpanContext:
-    assert span.context is not None
-    return span.context
+    context = span.get_span_context()
+    assert isinstance(context, SpanContext)
+    return context
 
 
 async def test_the_callers_trace_id_reaches_every_handler_span(

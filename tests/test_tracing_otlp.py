@@ -53,7 +53,7 @@ class Collector(collector_grpc.TraceServiceServicer):
 async def collector() -> AsyncIterator[tuple[Collector, int]]:
     servicer = Collector()
     server = grpc.aio.server()
-    collector_grpc.add_TraceServiceServicer_to_server(servicer, server)
+    collector_grpc.add_TraceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
