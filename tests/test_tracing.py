@@ -407,3 +407,15 @@ def test_tracing_off_registry_sets_no_trace_on_actions() -> None:
     ).actions
     assert submit.trace is None
     assert not h.registry.tracer.on
+
+
+def test_a_malformed_traceparent_starts_a_trace_of_its_own() -> None:
+    h = Traced()
+    h.begin(traceparent="00-not-a-trace-01")
+    h.ack_all()
+    for fact in FACTS[Order.SOURCE_FIRST]:
+        h.fact(fact)
+        h.ack_all()
+    handoff = h.spans()["handoff"]
+    assert handoff.parent is None
+    assert _trace_id(handoff) != TRACE_ID
