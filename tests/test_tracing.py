@@ -29,8 +29,8 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.registry import Dispatch, Registry, StartRequest
-from handoff_server.tracing import Tracing
+from handoff_server.registry import Dispatch, Registry, Retained, StartRequest
+from handoff_server.tracing import HandoffTrace, Tracing
 from tests.registry_support import DESTINATION, SOURCE, TIMING, Harness
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -419,3 +419,19 @@ def test_a_malformed_traceparent_starts_a_trace_of_its_own() -> None:
     handoff = h.spans()["handoff"]
     assert handoff.parent is None
     assert _trace_id(handoff) != TRACE_ID
+
+
+def test_a_retained_handoff_keeps_its_trace_context_and_no_span() -> None:
+    h = Traced()
+    h.begin()
+    h.ack_all()
+    for fact in FACTS[Order.SOURCE_FIRST]:
+        h.fact(fact)
+        h.ack_all()
+    retained = h.registry.get(h.handoff_id)
+    assert isinstance(retained, Retained)
+    trace = retained.trace
+    assert isinstance(trace, HandoffTrace)
+    # Up to max_retained of these: the ended span and its context are let go.
+    assert (trace.span, trace.parent, trace.actions) == (None, None, {})
+    assert format(trace.context.span_id, "016x") == _span_id(h.spans()["handoff"])

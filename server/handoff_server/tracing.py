@@ -31,6 +31,7 @@ from handoff_server.model import (
 )
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, SpanContext
     from opentelemetry.trace import Tracer as OtelTracer
@@ -45,11 +46,14 @@ NS = 1_000_000_000
 class HandoffTrace:
     """One handoff's spans: the open handoff span and its open action spans."""
 
-    __slots__ = ("span", "context", "tracestate", "actions")
+    __slots__ = ("span", "context", "parent", "tracestate", "actions")
 
-    def __init__(self, span: Span, tracestate: str) -> None:
+    def __init__(self, span: Span, parent: Context, tracestate: str) -> None:
         self.span: Span | None = span  # None once ended (complete or abandoned)
         self.context: SpanContext = span.get_span_context()  # kept after the span ends
+        # The context its action spans start in, made once; dropped with the
+        # span when it ends (it holds the span, and retained handoffs are many).
+        self.parent: Context | None = parent
         self.tracestate = tracestate
         self.actions: dict[int, Span] = {}
 
@@ -94,19 +98,18 @@ class Tracing:
                 "handoff.destination_engine_id": entry.destination_engine_id,
             },
         )
-        entry.trace = HandoffTrace(span, tracestate)
+        entry.trace = HandoffTrace(span, self._trace.set_span_in_context(span), tracestate)
 
     def issued(
         self, entry: Entry, action: Action, engines: tuple[str, ...], now: float
     ) -> tuple[str, str]:
         """An action was issued: its span starts; returns its traceparent and tracestate."""
         trace = _trace_of(entry)
-        parent = self._trace.set_span_in_context(self._trace.NonRecordingSpan(trace.context))
         attributes: dict[str, Any] = {
             "handoff.id": entry.handoff_id,
             "handoff.action.id": action.id,
             "handoff.action.kind": action.kind.value,
-            "handoff.engine_ids": list(engines),
+            "handoff.engine_ids": ",".join(engines),
         }
         if action.delay_ms is not None:
             attributes["handoff.action.delay_ms"] = action.delay_ms
@@ -114,7 +117,8 @@ class Tracing:
             attributes["handoff.completion"] = action.completion.value
         span = self._tracer.start_span(
             f"handoff.{action.kind.value}",
-            context=parent,
+            context=trace.parent
+            or self._trace.set_span_in_context(self._trace.NonRecordingSpan(trace.context)),
             start_time=_ns(now),
             attributes=attributes,
         )
@@ -123,9 +127,10 @@ class Tracing:
             span.end(end_time=_ns(now))
         else:
             trace.actions[action.id] = span
-        carrier: dict[str, str] = {}
-        self._propagator.inject(carrier, context=self._trace.set_span_in_context(span))
-        return carrier.get("traceparent", ""), trace.tracestate
+        # W3C traceparent, formatted here: the propagator would build a context first.
+        context = span.get_span_context()
+        traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+        return traceparent, trace.tracestate
 
     def redelivered(self, entry: Entry | Retained, dispatch: Dispatch) -> None:
         """An unacknowledged action goes out again to ``dispatch.engine_id``."""
@@ -193,8 +198,7 @@ class Tracing:
             start_time=_ns(now),
             attributes={"handoff.id": entry.handoff_id, "handoff.reopened": True},
         )
-        reopened = HandoffTrace(span, trace.tracestate)
-        entry.trace = reopened
+        entry.trace = HandoffTrace(span, self._trace.set_span_in_context(span), trace.tracestate)
 
     def completed(self, entry: Entry, completion: Completion, now: float) -> None:
         """The handoff completed: its span ends (actions still open end with it)."""
@@ -230,7 +234,7 @@ class Tracing:
             span.end(end_time=_ns(now))
         trace.actions.clear()
         trace.span.end(end_time=_ns(now))
-        trace.span = None
+        trace.span = trace.parent = None
 
     def shutdown(self) -> None:
         """Export what is buffered and stop (the server's last step)."""
