@@ -35,7 +35,8 @@ RUN groupadd --system --gid 10001 handoff \
        --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin handoff
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/handoff \
-    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "handoff[server]"
+    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "handoff[server]" \
+    && install --directory --owner=10001 --group=10001 --mode=0700 /var/lib/handoff
 WORKDIR /opt/handoff
 # Numeric, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.
 USER 10001:10001
@@ -46,6 +47,10 @@ USER 10001:10001
 # SERVING or NOT_SERVING. Change or disable it (-1) with this variable, not
 # with --health-port: the HEALTHCHECK reads the variable.
 ENV HANDOFF_HEALTH_PORT=8081
+# The journal (docs/durability.md): a container restarted after a crash or an
+# OOM kill recovers its handoffs from here. Mount a volume on it to keep it
+# across containers; HANDOFF_STATE_DIR= (empty) keeps everything in memory.
+ENV HANDOFF_STATE_DIR=/var/lib/handoff
 EXPOSE 50051 9464 8081
 # gRPC health (grpc.health.v1): healthy only while SERVING; a draining server
 # reports NOT_SERVING. Through sh to pick the port: HANDOFF_HEALTH_PORT when it

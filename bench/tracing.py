@@ -40,6 +40,8 @@ def run_handoffs(count: int, mode: str) -> float:
     """CPU seconds for ``count`` success paths through a registry in ``mode``."""
     from handoff_server import convert
     from handoff_server.config import Settings
+    from handoff_server.delivery import Dispatch
+    from handoff_server.entries import StartRequest
     from handoff_server.metrics import Metrics
     from handoff_server.model import (
         ActionKind,
@@ -53,7 +55,7 @@ def run_handoffs(count: int, mode: str) -> float:
         TransferCompleted,
         TransferTiming,
     )
-    from handoff_server.registry import CallResult, Dispatch, Registry, StartRequest
+    from handoff_server.registry import CallResult, Registry
 
     expected = {
         ActionKind.SUBMIT_PREFILL: Outcome(OutcomeKind.SUBMITTED),
@@ -100,9 +102,8 @@ def run_handoffs(count: int, mode: str) -> float:
     started = time.process_time()
     for index, handoff_id in enumerate(ids):
         order = Order.SOURCE_FIRST if index % 2 else Order.DESTINATION_FIRST
-        request = StartRequest(handoff_id, order, "prefill-0", "decode-0", 5.0)
-        if mode == "on":
-            request = convert.traced(request, (("traceparent", caller),))
+        trace = (("traceparent", caller),) if mode == "on" else ()
+        request = StartRequest(handoff_id, order, "prefill-0", "decode-0", 5.0, trace_context=trace)
         pending = answer(registry.start(request))
         for fact in facts[order]:
             while pending:

@@ -24,7 +24,7 @@ RULES = DEPLOY / "prometheus" / "rules.yaml"
 RULES_TEST = DEPLOY / "prometheus" / "rules_test.yaml"
 DASHBOARD = DEPLOY / "grafana" / "handoff.json"
 DOCKERFILE = ROOT / "Dockerfile"
-README = ROOT / "README.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 
 def missing(reason: str) -> None:

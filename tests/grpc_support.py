@@ -187,9 +187,18 @@ class ActionLog:
 class StreamRecorder(ActionLog):
     """Reads one engine's StreamActions and records every action it receives."""
 
-    def __init__(self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.HandoffCoordinatorAsyncStub,
+        engine_id: str,
+        incarnation: str = "",
+        session_id: str = "",
+    ) -> None:
         super().__init__(engine_id)
-        self._call = stub.StreamActions(pb.StreamActionsRequest(engine_id=engine_id))
+        request = pb.StreamActionsRequest(
+            engine_id=engine_id, incarnation=incarnation, session_id=session_id
+        )
+        self._call = stub.StreamActions(request)
         self._task = asyncio.create_task(self._read())
 
     async def _read(self) -> None:
@@ -239,14 +248,21 @@ class ConnectEngine(ActionLog):
     """
 
     def __init__(
-        self, stub: pb_grpc.HandoffCoordinatorAsyncStub, engine_id: str, batch: bool = False
+        self,
+        stub: pb_grpc.HandoffCoordinatorAsyncStub,
+        engine_id: str,
+        batch: bool = False,
+        incarnation: str = "",
+        session_id: str = "",
     ) -> None:
         super().__init__(engine_id)
         self.batch = batch
         self._outbox: asyncio.Queue[pb.ConnectRequest | None] = asyncio.Queue()
         self._acks: dict[int, asyncio.Future[pb.ConnectAck]] = {}
         self._next_request = 0
-        hello = pb.ConnectHello(engine_id=engine_id, batch=batch)
+        hello = pb.ConnectHello(
+            engine_id=engine_id, batch=batch, incarnation=incarnation, session_id=session_id
+        )
         self._outbox.put_nowait(pb.ConnectRequest(hello=hello))
         self._call = stub.Connect(self._requests())
         self._task = asyncio.create_task(self._read())
@@ -267,6 +283,10 @@ class ConnectEngine(ActionLog):
 
     async def subscribed(self) -> None:
         await self._call.initial_metadata()
+
+    async def stream_ended(self) -> grpc.StatusCode:
+        await self._task
+        return await self._call.code()
 
     async def report(
         self, message: pb.ReportFactRequest | pb.ReportOutcomeRequest

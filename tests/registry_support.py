@@ -6,6 +6,8 @@ import uuid
 from typing import Any
 
 from handoff_server.config import Settings
+from handoff_server.delivery import Dispatch, Subscription
+from handoff_server.entries import StartRequest
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     ActionKind,
@@ -20,11 +22,12 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Dispatch, Registry, StartRequest, Subscription
+from handoff_server.registry import Registry
 
 SOURCE, DESTINATION = "prefill-a", "decode-b"
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1000, 1_000_000, 1.0)  # 1000 ms transfer
 APPLIED = Outcome(OutcomeKind.APPLIED)
+SUBMITTED = Outcome(OutcomeKind.SUBMITTED)
 
 
 class FakeClock:
@@ -56,7 +59,7 @@ class Harness:
 
     def drain(self, engine_id: str) -> list[Dispatch]:
         """What the engine's live stream would write now."""
-        batch = self.registry.take(self.subscriptions[engine_id]) or []
+        batch = self.registry.delivery.take(self.subscriptions[engine_id]) or []
         self.inbox[engine_id].extend(batch)
         return batch
 

@@ -113,8 +113,13 @@ async def test_calls_answer_with_typed_values(client: HandoffClient) -> None:
 async def test_each_refusal_raises_its_own_exception(client: HandoffClient) -> None:
     async with asyncio.timeout(TIMEOUT_S):
         handoff_id = await start_vllm(client)
-        with pytest.raises(AlreadyExistsError) as exists:
-            await start_vllm(client, handoff_id)
+        with pytest.raises(AlreadyExistsError) as exists:  # a retry must repeat the request
+            await client.start_handoff(
+                handoff_id,
+                engine_type=EngineType.VLLM,
+                source_engine_id="prefill-0",
+                destination_engine_id="decode-1",
+            )
         with pytest.raises(NotFoundError):
             await client.get_handoff(str(uuid.uuid4()))
         with pytest.raises(NotFoundError):

@@ -1,4 +1,4 @@
-"""Named unit tests for the core: happy paths, and each correction of DESIGN.md §1."""
+"""Named unit tests for the core: happy paths, and each correction of docs/semantics.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Named unit tests for correction 7: a lost engine owes nothing (DESIGN.md §1)."""
+"""Named unit tests for correction 7: a lost engine owes nothing (docs/semantics.md)."""
 
 from __future__ import annotations
 

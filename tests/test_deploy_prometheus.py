@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.deploy_support import (
-    README,
+    OPERATIONS,
     RULES,
     RULES_TEST,
     alert_rules,
@@ -99,13 +99,14 @@ def test_every_alert_fires_on_a_synthetic_series_and_stays_quiet_when_healthy() 
 
 
 def test_every_alert_has_a_severity_an_explanation_and_a_runbook_entry() -> None:
-    deploying = README.read_text().partition("## Deploying")[2]
-    assert deploying, "README.md has no '## Deploying' section"
+    runbooks = OPERATIONS.read_text().partition("## Alerts")[2]
+    assert runbooks, "docs/operations.md has no '## Alerts' section"
     for rule in alert_rules():
         assert rule["labels"]["severity"] in {"critical", "warning"}, rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
         assert rule["annotations"]["description"], rule["alert"]
-        assert f"`{rule['alert']}`" in deploying, f"README 'Deploying' lacks {rule['alert']}"
+        alert = rule["alert"]
+        assert f"**`{alert}`**" in runbooks, f"docs/operations.md: no runbook for {alert}"
 
 
 def test_dashboard_queries_are_valid_promql(promtool: str, tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import uuid
 import pytest
 
 from handoff_server.core import Handoff
+from handoff_server.delivery import Role
+from handoff_server.entries import StartRequest
 from handoff_server.model import (
     ActionKind,
     AlreadyExists,
@@ -25,19 +27,27 @@ from handoff_server.model import (
     SourceHeld,
     Unavailable,
 )
-from handoff_server.registry import Role, StartRequest
-from tests.registry_support import APPLIED, DESTINATION, SOURCE, TIMING, Harness, kinds
+from tests.registry_support import (
+    APPLIED,
+    DESTINATION,
+    SOURCE,
+    SUBMITTED,
+    TIMING,
+    Harness,
+    kinds,
+)
 
 
 def test_deadline_expiry_times_out_the_handoff() -> None:
     h = Harness(default_timeout_s=5.0)
     h.subscribe(SOURCE)
     handoff_id = h.start()
+    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL]
     h.advance(4.9)
     assert h.phase(handoff_id) is Phase.ACTIVE
     h.advance(0.2)
     assert h.phase(handoff_id) is Phase.CLEANING_UP
-    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL, ActionKind.CANCEL_SOURCE]
+    assert kinds(h.drain(SOURCE)) == [ActionKind.CANCEL_SOURCE]
     assert h.value("handoff_timed_out_total") == 1
     assert h.value("handoff_facts_total", kind="timed_out", origin="server") == 1
 
@@ -45,8 +55,10 @@ def test_deadline_expiry_times_out_the_handoff() -> None:
 def test_per_request_timeout_overrides_the_default() -> None:
     h = Harness(default_timeout_s=300.0)
     handoff_id = h.start(timeout_s=2.0)
-    h.advance(2.0)
-    assert h.phase(handoff_id) is Phase.CLEANING_UP
+    h.advance(1.9)
+    assert h.phase(handoff_id) is Phase.ACTIVE
+    h.advance(0.1)
+    assert h.value("handoff_timed_out_total") == 1
 
 
 def test_scheduled_transfer_extends_the_deadline() -> None:
@@ -65,7 +77,7 @@ def test_scheduled_transfer_extends_the_deadline() -> None:
     assert h.phase(handoff_id) is Phase.CLEANING_UP
 
 
-def test_engine_that_never_subscribes_fails_the_handoff_and_frees_the_other_side() -> None:
+def test_engine_that_never_subscribes_is_lost_and_the_other_side_freed() -> None:
     h = Harness(delivery_timeout_s=10.0)
     h.subscribe(SOURCE)
     handoff_id = h.start()
@@ -76,8 +88,8 @@ def test_engine_that_never_subscribes_fails_the_handoff_and_frees_the_other_side
     h.advance(0.2)
     assert h.phase(handoff_id) is Phase.CLEANING_UP
     assert ActionKind.CANCEL_SOURCE in kinds(h.drain(SOURCE))
-    assert h.value("handoff_engine_unreachable_total") == 1
-    assert h.value("handoff_facts_total", kind="failed", origin="server") == 1
+    assert h.value("handoff_engines_lost_total", cause="unreachable") == 1
+    assert h.value("handoff_facts_total", kind="engine_lost", origin="server") == 1
 
 
 def test_a_dead_engine_fails_its_handoffs_even_when_it_owes_no_action() -> None:
@@ -91,7 +103,7 @@ def test_a_dead_engine_fails_its_handoffs_even_when_it_owes_no_action() -> None:
     h.registry.report_outcome(handoff_id, 0, Outcome(OutcomeKind.ACCEPTED))
     h.registry.report_fact(handoff_id, DestinationReserved(1000))
     h.registry.report_outcome(handoff_id, 1, Outcome(OutcomeKind.SUBMITTED))
-    h.registry.unsubscribe(source)
+    h.registry.delivery.unsubscribe(source)
     h.advance(9.9)
     assert h.phase(handoff_id) is Phase.ACTIVE
     h.advance(0.2)
@@ -102,13 +114,13 @@ def test_a_dead_engine_fails_its_handoffs_even_when_it_owes_no_action() -> None:
 def test_work_for_an_engine_gone_longer_than_delivery_timeout_fails_at_once() -> None:
     h = Harness(delivery_timeout_s=10.0, retention_s=600.0)
     h.subscribe(SOURCE)
-    h.registry.unsubscribe(h.subscribe(DESTINATION))
+    h.registry.delivery.unsubscribe(h.subscribe(DESTINATION))
     first = h.start()
     h.advance(10.0)
-    assert h.phase(first) is Phase.CLEANING_UP  # nothing owed yet, failed all the same
+    assert h.phase(first) is not Phase.ACTIVE  # nothing owed yet, lost all the same
     h.advance(300.0)  # long after its last handoff, the dead engine is still remembered
     second = h.start()
-    assert h.phase(second) is Phase.CLEANING_UP  # in the same call, no waiting
+    assert h.phase(second) is not Phase.ACTIVE  # in the same call, no waiting
     h.subscribe(DESTINATION)  # it came back
     third = h.start()
     assert h.phase(third) is Phase.ACTIVE
@@ -116,16 +128,15 @@ def test_work_for_an_engine_gone_longer_than_delivery_timeout_fails_at_once() ->
 
 def test_offline_engines_are_forgotten_once_nothing_hangs_on_them() -> None:
     h = Harness(delivery_timeout_s=10.0, retention_s=60.0, cleanup_timeout_s=5.0)
-    h.registry.unsubscribe(h.subscribe("decode-idle"))
-    assert "decode-idle" not in h.registry._channels  # nothing hung on it
-    h.registry.unsubscribe(h.subscribe(DESTINATION))
-    h.start()  # the destination never comes back: failed, then abandoned
+    h.registry.delivery.unsubscribe(h.subscribe("decode-idle"))
+    assert "decode-idle" not in h.registry.delivery  # nothing hung on it
+    h.registry.delivery.unsubscribe(h.subscribe(DESTINATION))
+    h.start()  # the destination never comes back: lost
     h.advance(10.0)
-    h.advance(5.0)
     assert h.registry.active_count == 0
-    assert DESTINATION in h.registry._channels  # remembered as dead
+    assert DESTINATION in h.registry.delivery  # remembered as dead
     h.advance(60.0)
-    assert DESTINATION not in h.registry._channels
+    assert DESTINATION not in h.registry.delivery
 
 
 def test_resubscribing_redelivers_unacknowledged_actions_with_attempt_counts() -> None:
@@ -136,11 +147,11 @@ def test_resubscribing_redelivers_unacknowledged_actions_with_attempt_counts() -
     assert sent.attempt == 1
     second = h.subscribe(SOURCE)
     assert first.closed
-    assert h.registry.take(first) is None  # the replaced stream ends
+    assert h.registry.delivery.take(first) is None  # the replaced stream ends
     (again,) = h.drain(SOURCE)
     assert (again.action.id, again.attempt) == (sent.action.id, 2)
     h.registry.report_outcome(handoff_id, 0, Outcome(OutcomeKind.SUBMITTED))
-    h.registry.unsubscribe(second)
+    h.registry.delivery.unsubscribe(second)
     h.subscribe(SOURCE)
     assert h.drain(SOURCE) == []  # acknowledged actions are never re-sent
     assert h.value("handoff_redeliveries_total", kind="submit_prefill") == 1
@@ -181,8 +192,9 @@ def test_unacknowledged_cleanup_is_redelivered_with_backoff_then_abandoned(
     h = Harness(cleanup_redelivery_s=1.0, cleanup_timeout_s=60.0)
     h.subscribe(SOURCE)
     handoff_id = h.start()
+    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL]
     h.registry.report_fact(handoff_id, Canceled())
-    assert kinds(h.drain(SOURCE)) == [ActionKind.SUBMIT_PREFILL, ActionKind.CANCEL_SOURCE]
+    assert kinds(h.drain(SOURCE)) == [ActionKind.CANCEL_SOURCE]
     resent_at = []
     for _ in range(40):
         h.advance(0.5)
@@ -194,8 +206,9 @@ def test_unacknowledged_cleanup_is_redelivered_with_backoff_then_abandoned(
     assert gaps[:3] == [2.0, 4.0, 8.0]  # 1 s, then doubling
     with caplog.at_level(logging.ERROR, logger="handoff.registry"):
         h.advance(60.0)
-    with pytest.raises(NotFound):
-        h.registry.get(handoff_id)
+    assert h.registry.get(handoff_id).abandoned_at is not None  # retained, to say so
+    with pytest.raises(NotFound, match="abandoned"):
+        h.registry.report_outcome(handoff_id, 1, APPLIED)
     assert h.value("handoff_abandoned_total") == 1
     assert h.registry.active_count == 0
     (record,) = [r for r in caplog.records if "abandoning" in r.getMessage()]
@@ -209,6 +222,7 @@ def test_a_burst_of_abandonments_is_one_line_then_one_summary(
     h = Harness(cleanup_redelivery_s=100.0, cleanup_timeout_s=60.0)
     handoff_ids = [h.start() for _ in range(50)]
     for handoff_id in handoff_ids:
+        h.registry.report_outcome(handoff_id, 0, SUBMITTED)  # the prefill holds something
         h.registry.report_fact(handoff_id, Canceled())  # nobody acknowledges the cancels
     with caplog.at_level(logging.ERROR, logger="handoff.registry"):
         h.advance(60.0)  # all fifty abandoned at once
@@ -231,8 +245,8 @@ def test_retention_answers_late_reports_and_blocks_id_reuse_until_it_expires() -
     handoff_id = h.start()
     h.succeed(handoff_id)
     assert h.registry.report_outcome(handoff_id, 4, APPLIED).actions == ()  # late duplicate
-    with pytest.raises(AlreadyExists):
-        h.start(handoff_id)
+    with pytest.raises(AlreadyExists, match="another destination_engine_id"):
+        h.registry.start(StartRequest(handoff_id, Order.SOURCE_FIRST, SOURCE, "other", 5.0))
     h.advance(599.0)
     assert h.phase(handoff_id) is Phase.COMPLETE
     h.advance(1.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from handoff_server.model import NotFound
+from handoff_server.timers import TimerHeap, TimerKind
 from tests.registry_support import DESTINATION, SOURCE, Harness
 
 
@@ -38,3 +39,20 @@ def test_stale_timers_are_compacted_without_any_timer_firing() -> None:
     # Nothing fired (fire_due never ran), yet the heap holds no more than its
     # slack: 5,000 retained handoffs keep no timers.
     assert len(h.registry._timers) <= 1024 + 2 * 2 + 1
+
+
+def test_compaction_while_a_timer_fires_never_fires_another_twice() -> None:
+    """It did: pop_due went on popping the list compaction had just replaced,
+    so a timer fired from the old list and again from the new one."""
+    heap = TimerHeap(lambda timer: not timer.key.startswith("stale"))
+    heap.schedule(1.0, TimerKind.UNREACHABLE, "engine-a", 0)
+    heap.schedule(1.0, TimerKind.UNREACHABLE, "engine-b", 0)
+    for index in range(2000):
+        heap.schedule(5.0, TimerKind.DEADLINE, f"stale-{index}", 0)
+    fired = []
+    while (timer := heap.pop_due(1.0)) is not None:
+        fired.append(timer.key)
+        heap.compact(live_hint=0)  # as a firing timer that schedules another does
+    while (timer := heap.pop_due(10.0)) is not None:
+        fired.append(timer.key)
+    assert fired == ["engine-a", "engine-b"]

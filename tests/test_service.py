@@ -71,7 +71,7 @@ async def test_new_subscription_replaces_the_old_one_which_ends_cleanly(stub: St
         await new.close()
 
 
-async def test_engine_that_never_subscribes_fails_the_handoff_within_delivery_timeout(
+async def test_engine_that_never_subscribes_is_lost_within_delivery_timeout(
     start_server: StartServer,
 ) -> None:
     server = await start_server(delivery_timeout_s=0.5)
@@ -104,19 +104,52 @@ async def test_deadline_expiry_cancels_through_the_streams(stub: Stub) -> None:
         assert [a.kind for a in done.actions] == [pb.ACTION_KIND_COMPLETE]
 
 
-async def test_retention_and_already_exists(stub: Stub) -> None:
+async def test_a_retried_start_answers_the_handoff_and_a_conflict_names_the_field(
+    stub: Stub,
+) -> None:
     handoff_id = str(uuid.uuid4())
-    await stub.StartHandoff(start_request(handoff_id))
-    error = await rejection(stub.StartHandoff(start_request(handoff_id)))
-    assert error.code() is grpc.StatusCode.ALREADY_EXISTS
-    await succeed(stub, handoff_id)
-    error = await rejection(stub.StartHandoff(start_request(handoff_id)))
+    first = await stub.StartHandoff(start_request(handoff_id))
+    assert not first.already_started
+    retry = await stub.StartHandoff(start_request(handoff_id))
+    assert retry.already_started
+    assert list(retry.actions) == []
+    assert retry.handoff.outstanding_actions[0].kind == pb.ACTION_KIND_SUBMIT_PREFILL
+    error = await rejection(stub.StartHandoff(start_request(handoff_id, source_engine_id="x")))
     assert error.code() is grpc.StatusCode.ALREADY_EXISTS
     assert handoff_id in (error.details() or "")
+    assert "source_engine_id" in (error.details() or "")
+    await succeed(stub, handoff_id)
+    retained = await stub.StartHandoff(start_request(handoff_id))
+    assert retained.already_started
+    assert retained.handoff.completion == pb.COMPLETION_SUCCESS
     late = await outcome(stub, handoff_id, 4, APPLIED)  # a late duplicate
     assert list(late.actions) == []
     reopened = await fact(stub, handoff_id, CANCELED)  # a cancel during decode
     assert [a.kind for a in reopened.actions] == [pb.ACTION_KIND_CANCEL_DESTINATION]
+
+
+async def test_get_handoff_says_what_an_abandoned_handoff_left_outstanding(
+    start_server: StartServer,
+) -> None:
+    server = await start_server(cleanup_timeout_s=0.3)
+    async with (
+        asyncio.timeout(10),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        async with recorders(stub, SOURCE) as (source,):
+            handoff_id = (await stub.StartHandoff(start_request())).handoff.handoff_id
+            await source.wait_for(handoff_id, 0)
+            await fact(stub, handoff_id, CANCELED)
+            await source.wait_for(handoff_id, 1)  # CancelSource, never answered
+            assert await server.wait_idle(5.0)  # abandoned: nothing unfinished any more
+        state = await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=handoff_id))
+        assert state.handoff.abandoned
+        assert state.handoff.phase == pb.PHASE_CLEANING_UP
+        assert [a.kind for a in state.handoff.outstanding_actions] == [
+            pb.ACTION_KIND_SUBMIT_PREFILL,
+            pb.ACTION_KIND_CANCEL_SOURCE,
+        ]
 
 
 async def test_admission_limit(start_server: StartServer) -> None:

@@ -8,6 +8,7 @@ reopened handoff; timed by the registry's clock.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -15,6 +16,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from handoff_server.delivery import Dispatch
+from handoff_server.entries import Retained, StartRequest
+from handoff_server.journal import Journal
 from handoff_server.model import (
     ActionKind,
     Canceled,
@@ -29,7 +33,8 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.registry import Dispatch, Registry, Retained, StartRequest
+from handoff_server.recovery import JournalRecorder, ReplayClock, recover
+from handoff_server.registry import Registry
 from handoff_server.tracing import HandoffTrace, Tracing
 from tests.registry_support import DESTINATION, SOURCE, TIMING, Harness
 
@@ -72,7 +77,14 @@ class Traced(Harness):
     def begin(self, order: Order = Order.SOURCE_FIRST, traceparent: str = CALLER) -> str:
         self.handoff_id = "7d444840-9dc0-11d1-b245-5ffdce74fad2"
         result = self.registry.start(
-            StartRequest(self.handoff_id, order, SOURCE, DESTINATION, 5.0, traceparent=traceparent)
+            StartRequest(
+                self.handoff_id,
+                order,
+                SOURCE,
+                DESTINATION,
+                5.0,
+                trace_context=(("traceparent", traceparent),),
+            )
         )
         self.pending = list(result.actions)
         return self.handoff_id
@@ -341,8 +353,7 @@ def test_actions_carry_their_span_and_the_callers_tracestate() -> None:
             SOURCE,
             DESTINATION,
             5.0,
-            traceparent=CALLER,
-            tracestate="vendor=abc",
+            trace_context=(("traceparent", CALLER), ("tracestate", "vendor=abc")),
         )
     )
     (submit,) = result.actions
@@ -402,7 +413,7 @@ def test_tracing_off_registry_sets_no_trace_on_actions() -> None:
             SOURCE,
             DESTINATION,
             5.0,
-            traceparent=CALLER,
+            trace_context=(("traceparent", CALLER),),
         )
     ).actions
     assert submit.trace is None
@@ -435,3 +446,44 @@ def test_a_retained_handoff_keeps_its_trace_context_and_no_span() -> None:
     # Up to max_retained of these: the ended span and its context are let go.
     assert (trace.span, trace.parent, trace.actions) == (None, None, {})
     assert format(trace.context.span_id, "016x") == _span_id(h.spans()["handoff"])
+
+
+def test_a_recovered_handoff_keeps_its_callers_trace(tmp_path: Path) -> None:
+    """The journal keeps the caller's trace context: replay starts the handoff's
+    span under it again, exports nothing the crashed process had exported, and
+    the actions redelivered after recovery carry the caller's trace."""
+    h = Traced()
+    journal = Journal.open(tmp_path)
+    h.registry.recorder = JournalRecorder(journal)
+    handoff_id = h.begin()
+    h.ack_all()  # SubmitPrefill's span ends, exported by this process
+    h.fact(SourceHeld(TIMING))  # ReserveDestination issued, never acknowledged
+    assert [span.name for span in h.exporter.get_finished_spans()] == ["handoff.submit_prefill"]
+    journal.commit_now()
+    journal.close_now()  # a crash: only the file survives
+
+    after = Traced()
+    replay_clock = ReplayClock(after.clock)
+    after.registry = Registry(
+        after.registry.settings, after.metrics, replay_clock, tracer=after.tracer
+    )
+    second = Journal.open(tmp_path)
+    try:
+        assert recover(second, after.registry, replay_clock).total == 1
+        assert after.exporter.get_finished_spans() == ()  # nothing exported twice
+        trace = after.registry.get(handoff_id).trace
+        assert isinstance(trace, HandoffTrace)
+        assert _hex(trace.context.trace_id, 32) == TRACE_ID
+        subscription = after.registry.subscribe(DESTINATION, lambda: None)
+        (reserve,) = after.registry.delivery.take(subscription) or []
+        assert reserve.action.kind is ActionKind.RESERVE_DESTINATION
+        assert reserve.trace is not None
+        assert reserve.trace[0].split("-")[1] == TRACE_ID
+        after.registry.report_outcome(handoff_id, reserve.action.id, Outcome(OutcomeKind.ACCEPTED))
+        (span,) = after.exporter.get_finished_spans()
+        assert span.name == "handoff.reserve_destination"
+        assert _trace_id(span) == TRACE_ID
+        assert span.attributes is not None
+        assert span.attributes["handoff.outcome"] == "accepted"
+    finally:
+        second.close_now()

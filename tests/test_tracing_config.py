@@ -5,13 +5,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from handoff_server import config, convert, tracing
+from handoff_server import config, tracing
 from handoff_server.cli import build_parser
-from handoff_server.model import Order
-from handoff_server.registry import StartRequest
 
 SETTINGS_ENV = Path(__file__).parent.parent / "deploy" / "k8s" / "settings.env"
-START = StartRequest("5a1f0e3c-2b4d-4e6f-8a9b-0c1d2e3f4a5b", Order.SOURCE_FIRST, "p", "d", 0.0)
 
 
 def parse(argv: list[str], environ: dict[str, str]) -> config.Settings:
@@ -39,17 +36,3 @@ def test_the_standard_otel_variables_turn_it_on_too() -> None:
 def test_the_configmaps_commented_endpoint_is_a_valid_setting() -> None:
     (endpoint,) = re.findall(r"^# HANDOFF_OTLP_ENDPOINT=(\S+)$", SETTINGS_ENV.read_text(), re.M)
     assert parse([], {"HANDOFF_OTLP_ENDPOINT": endpoint}).otlp_endpoint == endpoint
-
-
-def test_the_callers_trace_context_is_read_from_the_metadata() -> None:
-    metadata = (
-        ("authorization", "Bearer x"),
-        ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
-        ("tracestate", "vendor=abc"),
-    )
-    traced = convert.traced(START, metadata)
-    assert traced.traceparent == "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    assert traced.tracestate == "vendor=abc"
-    assert convert.traced(START, None) == START
-    # Binary metadata is no W3C header: ignored, the handoff starts its own trace.
-    assert convert.traced(START, (("traceparent", b"\x00"),)) == START

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -18,9 +19,11 @@ from handoff_server import security, tracing
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EngineStreams, Guard, grpc_options
+from handoff_server.journal import Journal, fresh_incarnation
 from handoff_server.metrics import Metrics
 from handoff_server.probes import HealthGate
 from handoff_server.quotas import Budget, Quotas
+from handoff_server.recovery import JournalRecorder, Recovery, ReplayClock, recover
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
 
@@ -48,6 +51,9 @@ class Server:
     ) -> None:
         self.settings = settings
         self.clock = clock if clock is not None else WallClock()
+        # With a journal, the registry's clock reads each record's time while
+        # the journal replays (recovery.py).
+        self._replay_clock = ReplayClock(self.clock) if settings.state_dir else None
         self.metrics = Metrics()
         self._timer_wakeup = asyncio.Event()
         # A tracer given (a test's) is its giver's to shut down; one made here is ours.
@@ -56,8 +62,17 @@ class Server:
             tracer if tracer is not None else tracing.from_settings(settings.otlp_endpoint)
         )
         self.registry = Registry(
-            settings, self.metrics, self.clock, self._timer_wakeup.set, self.tracer
+            settings,
+            self.metrics,
+            self._replay_clock or self.clock,
+            self._timer_wakeup.set,
+            self.tracer,
         )
+        self.journal: Journal | None = None
+        self.recovery: Recovery | None = None
+        self.incarnation = 0  # the coordinator's, new at each start (see _open_journal)
+        # Set when the journal cannot be written: the process must stop (serve.py).
+        self.failed = asyncio.Event()
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -84,6 +99,67 @@ class Server:
         credentials = security.server_credentials(settings)
         tokens = security.load_tokens(settings)
         identities = security.load_identities(settings)
+        self._open_journal()
+        try:
+            await self._serve(credentials, tokens, identities)
+        except BaseException:
+            if self.journal is not None:
+                self.journal.close_now()
+            raise
+
+    def _open_journal(self) -> None:
+        """Recover from the state dir, if there is one; journal from now on."""
+        settings = self.settings
+        if self._replay_clock is None:
+            self.incarnation = fresh_incarnation()
+            log.info(
+                "no state dir: handoffs are kept in memory only and lost if this process dies "
+                "(--state-dir keeps them)"
+            )
+            return
+        journal = Journal.open(Path(settings.state_dir), settings.durability)
+        try:
+            self.recovery = recover(journal, self.registry, self._replay_clock)
+        except BaseException:
+            journal.close_now()
+            raise
+        self.journal = journal
+        self.incarnation = journal.incarnation
+        self.registry.recorder = JournalRecorder(journal)
+        journal.on_failure = lambda error: self.failed.set()
+        journal.start_writer()
+        log.info(
+            "journal at %s (durability %s), coordinator incarnation %d",
+            settings.state_dir,
+            settings.durability,
+            self.incarnation,
+        )
+
+    def _servicer(self) -> Servicer:
+        recovered = self.recovery is not None and self.recovery.total > 0
+        headers = (
+            ("handoff-coordinator-incarnation", str(self.incarnation)),
+            ("handoff-recovered", "true" if recovered else "false"),
+            ("handoff-delivery-timeout-ms", str(round(self.settings.delivery_timeout_s * 1000))),
+        )
+        journal = self.journal
+        if journal is None:
+            return Servicer(self.registry, self.metrics, subscription_headers=headers)
+        return Servicer(
+            self.registry,
+            self.metrics,
+            durable=journal.durable,
+            subscription_headers=headers,
+            engine_incarnation=journal.engine,
+        )
+
+    async def _serve(
+        self,
+        credentials: grpc.ServerCredentials | None,
+        tokens: security.TokenSet | None,
+        identities: security.EngineIdentities | None,
+    ) -> None:
+        settings = self.settings
         guard = Guard(
             metrics=self.metrics,
             streams=self.engine_streams,
@@ -102,9 +178,7 @@ class Server:
             # call whose request never arrives), above both their limits.
             maximum_concurrent_rpcs=2 * (settings.max_concurrent_rpcs + self._health_calls()),
         )
-        pb_grpc.add_HandoffCoordinatorServicer_to_server(
-            Servicer(self.registry, self.metrics), server
-        )
+        pb_grpc.add_HandoffCoordinatorServicer_to_server(self._servicer(), server)
         server.add_generic_rpc_handlers((self._health_gate().handler(),))
         reflection.enable_server_reflection(
             (
@@ -193,18 +267,34 @@ class Server:
         return self.settings.max_health_checks + self.settings.max_health_watches
 
     async def _run_timers(self) -> None:
-        """Sleep until the registry's next timer (or an earlier one appears), then fire."""
+        """Sleep until the registry's next timer (or an earlier one appears), then fire.
+
+        Supervised: fire_due already survives a failing timer; anything else
+        that raises here is logged and counted, and the loop goes on, since
+        deadlines, redelivery and retention all hang on it."""
         while True:
-            wakeup = self.registry.next_wakeup()
-            self._timer_wakeup.clear()
-            if wakeup is None:
-                await self._timer_wakeup.wait()
-            else:
-                delay = wakeup - self.clock()
-                if delay > 0:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._timer_wakeup.wait(), delay)
-            self.registry.fire_due()
+            try:
+                await self._next_timers()
+            except Exception:
+                self.metrics.timer_errors.inc()
+                log.exception("timer loop failed; going on")
+                await asyncio.sleep(0.1)  # a failure that repeats must not spin
+
+    async def _next_timers(self) -> None:
+        wakeup = self.registry.next_wakeup()
+        self._timer_wakeup.clear()
+        if wakeup is None:
+            await self._timer_wakeup.wait()
+        else:
+            delay = wakeup - self.clock()
+            if delay > 0:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a
+                # cancellation that lands as the wake-up fires, and stop() then
+                # waited for this task forever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._timer_wakeup.wait()
+        self.registry.fire_due()
 
     async def wait_idle(self, within_s: float) -> bool:
         """Until no handoff is active or cleaning up; False if ``within_s`` passed first."""
@@ -224,22 +314,37 @@ class Server:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.registry.draining = True
         log.info("draining: %d handoffs unfinished", self.registry.active_count)
+        try:
+            await self._drain(grace)
+        finally:
+            await self._shut_down()
+
+    async def _drain(self, grace: float) -> None:
         if not await self.wait_idle(grace):
             canceled = self.registry.cancel_active("server shutting down")
             log.warning("drain grace over; canceled %d handoffs", canceled)
             if not await self.wait_idle(grace):
                 log.error("%d handoffs still cleaning up at exit", self.registry.active_count)
+
+    async def _shut_down(self) -> None:
+        """Everything after the drain; it runs whatever happened before."""
         if self._timers is not None:
             self._timers.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._timers
-        self.registry.close_streams()
+            except asyncio.CancelledError:
+                pass
+            except Exception:
+                log.exception("the timer task had failed")
+        self.registry.delivery.close_streams()
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         if self._health_grpc is not None:
             await self._health_grpc.stop(grace=None)
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.stop()
+        if self.journal is not None:
+            await self.journal.close()
         if self.tracer.on and self._own_tracer:
             # Exports the spans still buffered: blocking, so off the loop.
             await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)

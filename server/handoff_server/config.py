@@ -65,6 +65,17 @@ class Settings:
         "event loop; uvloop spends about 10%% less server CPU per handoff (bench/RESULTS.md)",
         choices=("asyncio", "uvloop"),
     )
+    # --- durability (docs/durability.md) ----------------------------------------
+    state_dir: str = _setting(
+        "",
+        "directory of the journal that lets a restarted server recover its handoffs; "
+        "'' keeps them in memory only",
+    )
+    durability: str = _setting(
+        "normal",
+        "normal: a commit survives the process dying; full: also the machine (fsync per commit)",
+        choices=("normal", "full"),
+    )
     # --- security (README "Security"); file paths: "" means unset -------------
     tls_cert: str = _setting(
         "", "PEM certificate chain; with --tls-key the gRPC port speaks TLS only"

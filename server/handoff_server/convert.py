@@ -5,15 +5,15 @@ A violation raises InvalidArgument naming the field, before anything is touched.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import uuid
-from collections.abc import Iterable
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from handoff.v1 import coordinator_pb2 as pb
+from handoff_server.delivery import Dispatch, Role
+from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.model import (
     MAX_HANDOFF_TIMEOUT_S,
     Action,
@@ -37,7 +37,6 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Dispatch, Entry, Retained, Role, StartRequest
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Already canonical: uuid.UUID would parse it only to print it back unchanged.
@@ -107,6 +106,20 @@ def engine_id(value: str, field: str = "engine_id") -> str:
     return value
 
 
+def incarnation(value: str, field: str = "incarnation") -> str:
+    """An engine's incarnation: empty (no fencing) or like an engine id."""
+    if value and not ENGINE_ID.fullmatch(value):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise InvalidArgument(f"{field} must be 1-128 characters of [A-Za-z0-9._:-], got {shown!r}")
+    return value
+
+
+def session_id(value: str, field: str = "session_id") -> str:
+    if value and not ENGINE_ID.fullmatch(value):
+        raise InvalidArgument(f"{field} must be at most 128 characters of [A-Za-z0-9._:-]")
+    return value
+
+
 def _finite_non_negative(value: float, field: str) -> float:
     if not (math.isfinite(value) and value >= 0.0):
         raise InvalidArgument(f"{field} must be finite and >= 0, got {value}")
@@ -150,22 +163,6 @@ def start_request(request: pb.StartHandoffRequest) -> StartRequest:
         transfer_executor=executor,
         timeout_s=timeout_s,
     )
-
-
-def traced(start: StartRequest, metadata: Iterable[tuple[str, str | bytes]] | None) -> StartRequest:
-    """``start`` with the caller's W3C trace context from StartHandoff's metadata.
-
-    A malformed traceparent is not the call's failure: the handoff then
-    starts a trace of its own (OpenTelemetry's extraction ignores it).
-    """
-    found = {key: value for key, value in metadata or () if key in TRACE_KEYS}
-    traceparent, tracestate = found.get("traceparent", ""), found.get("tracestate", "")
-    if not isinstance(traceparent, str) or not isinstance(tracestate, str):
-        return start
-    return dataclasses.replace(start, traceparent=traceparent[:512], tracestate=tracestate[:512])
-
-
-TRACE_KEYS = ("traceparent", "tracestate")
 
 
 # Values without a payload, immutable: one of each serves every report.
@@ -365,4 +362,6 @@ def handoff(entry: Entry | Retained) -> pb.Handoff:
         message.outstanding_actions.extend([outstanding_action(entry, a) for a in outstanding])
     if entry.completed_at is not None:
         _stamp(message.completed_at, entry.completed_at)
+    if entry.abandoned_at is not None:
+        message.abandoned = True
     return message

@@ -4,7 +4,7 @@ Pure in the sans-IO sense: no I/O, no clock, no asyncio. The registry feeds it
 facts and outcomes and routes the actions it returns; packing for retention
 lives in :mod:`handoff_server.packing`.
 
-A handoff is its phase (ACTIVE, CLEANING_UP, COMPLETE; DESIGN.md §1) and four
+A handoff is its phase (ACTIVE, CLEANING_UP, COMPLETE; docs/semantics.md) and four
 small records, as in the seed's Rust core:
 
 - ``source``: how far the prefill got (:class:`SourceStage`: submitted, held,
@@ -22,7 +22,7 @@ freed what it held: nothing is owed to it.
 
 Every public call is atomic. All checks that can reject a call run before the
 first attribute is written, so a rejected call leaves the handoff exactly as
-it was (DESIGN.md, correction 5).
+it was (docs/semantics.md, correction 5).
 """
 
 from __future__ import annotations
@@ -457,7 +457,7 @@ class Handoff:
         return self._advance_active()
 
     def _on_engine_lost(self, side: Side) -> tuple[Action, ...]:
-        # Never rejected (DESIGN.md, correction 7). A side that freed what it
+        # Never rejected (docs/semantics.md, correction 7). A side that freed what it
         # held, or was lost already, has nothing left to lose; after CANCELED
         # nothing is owed to anyone. (So a source lost after SUCCESS changes
         # nothing: it released or was lost.)

@@ -23,6 +23,7 @@ FACT_KINDS = (
     "canceled",
     "engine_lost",
 )
+LOST_CAUSES = ("restarted", "unreachable")
 RPCS = ("StartHandoff", "ReportFact", "ReportOutcome", "StreamActions", "Connect", "GetHandoff")
 
 
@@ -47,9 +48,16 @@ class Metrics:
             "Handoffs removed while still cleaning up after cleanup_timeout.",
             registry=r,
         )
-        self.engine_unreachable = Counter(
-            "handoff_engine_unreachable",
-            "Times an engine had no live stream for delivery_timeout with actions waiting.",
+        self.engines_lost = Counter(
+            "handoff_engines_lost",
+            "Engines declared lost in their unfinished handoffs, by cause: restarted (a new "
+            "incarnation subscribed) or unreachable (no live stream for delivery_timeout).",
+            ["cause"],
+            registry=r,
+        )
+        self.timer_errors = Counter(
+            "handoff_timer_errors",
+            "Timers that raised while firing (logged with the handoff or engine id).",
             registry=r,
         )
         self.redeliveries = Counter(
@@ -92,6 +100,16 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.recovered_handoffs = Gauge(
+            "handoff_recovered_handoffs",
+            "Handoffs this server recovered from its journal at start (0 without one).",
+            registry=r,
+        )
+        self.recovery_seconds = Gauge(
+            "handoff_recovery_seconds",
+            "How long this server's start spent replaying its journal.",
+            registry=r,
+        )
         # Label children resolved once: .labels() costs a lock and a dict
         # lookup on every call, and these run on every handoff.
         self.completed_by = {c: self.completed.labels(c.value) for c in Completion}
@@ -106,6 +124,7 @@ class Metrics:
             for origin in ("engine", "server")
         }
         self.handoffs_by = {p: self.handoffs.labels(p.value) for p in Phase}
+        self.engines_lost_by = {cause: self.engines_lost.labels(cause) for cause in LOST_CAUSES}
         # Zero-valued series exist from the start, so rate() and absent()
         # behave before the first event.
         for rpc in RPCS:

@@ -213,7 +213,7 @@ class TransferTiming:
         bandwidth = self.bandwidth_gb_s
         if bandwidth is not None and not (math.isfinite(bandwidth) and bandwidth >= 0.0):
             raise InvalidArgument(f"invalid handoff transfer bandwidth {format_float(bandwidth)}")
-        # The full prompt's delay whatever the mode (DESIGN.md, correction 6).
+        # The full prompt's delay whatever the mode (docs/semantics.md, correction 6).
         validate_delay_ms(self._delay_ms(self.full_prompt_tokens))
 
 
@@ -258,7 +258,7 @@ class Canceled:
 
 @dataclass(frozen=True, slots=True)
 class EngineLost:
-    """That engine's memory for this handoff is gone (DESIGN.md, correction 7):
+    """That engine's memory for this handoff is gone (docs/semantics.md, correction 7):
     it died, restarted empty, or freed on its own. Never rejected; nothing is
     owed to that side any more."""
 

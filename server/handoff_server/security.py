@@ -24,6 +24,8 @@ import grpc
 
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID
+from handoff_server.delivery import Role
+from handoff_server.entries import Entry, Retained
 from handoff_server.model import (
     Canceled,
     DestinationReserved,
@@ -33,7 +35,6 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.registry import Entry, Retained, Role
 
 # RFC 6750 b64token: what an `Authorization: Bearer` header can carry.
 TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from handoff_server import config, logs
 from handoff_server.app import Server
+from handoff_server.journal import JournalError
 
 log = logging.getLogger("handoff.serve")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -32,7 +33,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "Prometheus /metrics endpoint. Every setting is a flag or a HANDOFF_* "
             "environment variable; flags win. On SIGTERM or SIGINT the server reports "
             "NOT_SERVING, refuses new handoffs, waits up to --drain-grace-s for active "
-            "ones, cancels the rest, waits for their cleanup, and exits 0."
+            "ones, cancels the rest, waits for their cleanup, and exits 0. With --state-dir "
+            "every accepted call is journaled first, and a restart on the same directory "
+            "recovers the handoffs (docs/durability.md)."
         ),
     )
     config.add_arguments(parser)
@@ -54,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            runner.run(_serve(settings))
+            return runner.run(_serve(settings))
+    except JournalError as error:
+        log.error("cannot start: %s", error)
+        return 2
     except OSError as error:
         log.error("cannot start: %s", error)
         return 1
-    return 0
 
 
 def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -70,18 +75,28 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return None
 
 
-async def _serve(settings: config.Settings) -> None:
+async def _serve(settings: config.Settings) -> int:
     server = Server(settings)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    signaled = asyncio.create_task(stop.wait())
+    failed = asyncio.create_task(server.failed.wait())
+    await asyncio.wait((signaled, failed), return_when=asyncio.FIRST_COMPLETED)
+    signaled.cancel()
+    failed.cancel()
+    if server.failed.is_set():
+        # Nothing more can be made durable, so nothing more may be answered:
+        # exit at once, as a crash would; a restart recovers what was committed.
+        log.critical("the journal failed; exiting without draining")
+        return 1
     log.info("signal received; shutting down")
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, _exit_now, signum, server)
     await server.stop()
+    return 0
 
 
 def _exit_now(signum: int, server: Server) -> None:

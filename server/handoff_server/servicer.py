@@ -8,20 +8,23 @@ no two calls interleave on one handoff.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
+from handoff_server.delivery import Dispatch, Fenced, Subscription
+from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
-from handoff_server.registry import CallResult, Dispatch, Registry, Subscription
+from handoff_server.registry import CallResult, Registry
 
 log = logging.getLogger("handoff.servicer")
 
@@ -40,6 +43,7 @@ MAX_OWED_BYTES = 256 * 1024
 # Built once: OutcomeKind.values() makes a new list on every call, and every
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
+TRACE_CONTEXT = ("traceparent", "tracestate")
 
 
 def _shown(handoff_id: str) -> str:
@@ -50,16 +54,47 @@ def _shown(handoff_id: str) -> str:
 class Rejection(Exception):
     """A call refused with a gRPC status; raised out of :meth:`Servicer.answer`."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, trailers: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailers = trailers
+
+    async def abort(self, context: grpc.aio.ServicerContext[Any, Any]) -> NoReturn:
+        await context.abort(self.code, self.message, self.trailers)
+        raise AssertionError("abort returns only by raising")
+
+
+async def _nothing_pending() -> None:
+    return None
 
 
 class Servicer(pb_grpc.HandoffCoordinatorServicer):
-    def __init__(self, registry: Registry, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: Metrics,
+        *,
+        durable: Callable[[], Awaitable[None]] = _nothing_pending,
+        subscription_headers: Sequence[tuple[str, str]] = (),
+        engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
+    ) -> None:
         self.registry = registry
         self.metrics = metrics
+        # Awaited before anything is written to the network: with a journal,
+        # nothing leaves before the commit that holds it (journal.py).
+        self._durable = durable
+        self.subscription_headers = tuple(subscription_headers)
+        self._engine_incarnation = engine_incarnation
+
+    async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Wait until every accepted call so far is durable; a broken journal ends the call."""
+        try:
+            await self._durable()
+        except JournalFailed as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
     def answer(self, rpc: str, subject: str | Callable[[], str], work: Callable[[], R]) -> R:
         """Run ``work``; turn any failure into a Rejection with a clear message.
@@ -68,17 +103,21 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         only needed on failure, and building it on every report costs more
         than some reports do.
         """
+        trailers: tuple[tuple[str, str], ...] = ()
         try:
             return work()
         except HandoffError as error:
             code, reason = grpc.StatusCode[error.code], error.message
             named = subject if isinstance(subject, str) else subject()
+            if isinstance(error, Fenced):
+                # The sidecar acts on why it was fenced, not on the message.
+                trailers = (("handoff-fence", error.fence.value),)
         except Exception:
             code, reason = grpc.StatusCode.INTERNAL, f"internal error in {rpc}"
             named = subject if isinstance(subject, str) else subject()
             log.exception("unexpected failure in %s", rpc, extra={"subject": named})
         self.metrics.rejected(rpc, code.name)
-        raise Rejection(code, f"{named}: {reason}")
+        raise Rejection(code, f"{named}: {reason}", trailers)
 
     # --- unary --------------------------------------------------------------
 
@@ -91,15 +130,24 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
 
         def work() -> pb.StartHandoffResponse:
             start = convert.start_request(request)
-            if self.registry.tracer.on:
-                start = convert.traced(start, context.invocation_metadata())
-            answer = Answer.of(self.registry.start(start))
-            return pb.StartHandoffResponse(handoff=answer.handoff, actions=answer.actions)
+            trace = _trace_context(context)
+            if trace:
+                start = dataclasses.replace(start, trace_context=trace)
+            result = self.registry.start(start)
+            answer = Answer.of(result)
+            return pb.StartHandoffResponse(
+                handoff=answer.handoff,
+                actions=answer.actions,
+                already_started=result.already_started,
+            )
 
         try:
-            return self.answer("StartHandoff", subject, work)
+            response = self.answer("StartHandoff", subject, work)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await self.durably(context)  # a refusal tells of state too (an id in use)
+            await rejection.abort(context)
+        await self.durably(context)
+        return response
 
     async def ReportFact(
         self,
@@ -108,9 +156,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.ReportFactResponse:
         try:
             answer = Answer.of(self.report_fact(request, "ReportFact"))
-            return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await self.durably(context)
+            await rejection.abort(context)
+        await self.durably(context)
+        return pb.ReportFactResponse(handoff=answer.handoff, actions=answer.actions)
 
     async def ReportOutcome(
         self,
@@ -119,9 +169,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.ReportOutcomeResponse:
         try:
             answer = Answer.of(self.report_outcome(request, "ReportOutcome"))
-            return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await self.durably(context)
+            await rejection.abort(context)
+        await self.durably(context)
+        return pb.ReportOutcomeResponse(handoff=answer.handoff, actions=answer.actions)
 
     async def GetHandoff(
         self,
@@ -135,9 +187,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             return pb.GetHandoffResponse(handoff=convert.handoff(entry))
 
         try:
-            return self.answer("GetHandoff", subject, work)
+            response = self.answer("GetHandoff", subject, work)
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
+            await self.durably(context)
+            await rejection.abort(context)
+        await self.durably(context)
+        return response
 
     def report_fact(self, request: pb.ReportFactRequest, rpc: str) -> CallResult:
         def work() -> CallResult:
@@ -164,26 +219,42 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.StreamActionsRequest,
         context: grpc.aio.ServicerContext[pb.StreamActionsRequest, pb.Action],
     ) -> AsyncIterator[pb.Action]:
+        ready = asyncio.Event()
         try:
-            engine_id = self.answer(
+            subscription = self.answer(
                 "StreamActions",
                 "stream",
-                lambda: security.authorize_engine(convert.engine_id(request.engine_id)),
+                lambda: self._subscribe(
+                    request.engine_id, request.incarnation, request.session_id, ready.set
+                ),
             )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        ready = asyncio.Event()
-        subscription = self.registry.subscribe(engine_id, ready.set)
+            await rejection.abort(context)
+        engine_id = subscription.engine_id
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.subscription_headers)
             while (batch := await self._next_batch(subscription, ready)) is not None:
+                await self.durably(context)
                 for dispatch in batch:
                     yield convert.action(dispatch)
         finally:
-            self.registry.unsubscribe(subscription)
+            self.registry.delivery.unsubscribe(subscription)
             log.info("engine stream ended", extra={"engine_id": engine_id})
+
+    def _subscribe(
+        self, engine_id: str, incarnation: str, session_id: str, on_ready: Callable[[], None]
+    ) -> Subscription:
+        subscription = self.registry.subscribe(
+            security.authorize_engine(convert.engine_id(engine_id)),
+            on_ready,
+            convert.incarnation(incarnation),
+            convert.session_id(session_id),
+        )
+        if incarnation:
+            self._engine_incarnation(subscription.engine_id, incarnation)
+        return subscription
 
     async def _next_batch(
         self, subscription: Subscription, ready: asyncio.Event
@@ -191,7 +262,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         """Wait for work on ``subscription``; None once it has been replaced."""
         while True:
             ready.clear()
-            batch = self.registry.take(subscription, STREAM_BATCH)
+            batch = self.registry.delivery.take(subscription, STREAM_BATCH)
             if batch is None or batch:
                 return batch
             await ready.wait()
@@ -202,40 +273,47 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
         first = await anext(aiter(request_iterator), None)
+        ready = asyncio.Event()
         try:
             hello = self.answer("Connect", "connect", lambda: _hello(first))
+            subscription = self.answer(
+                "Connect",
+                "connect",
+                lambda: self._subscribe(
+                    hello.engine_id, hello.incarnation, hello.session_id, ready.set
+                ),
+            )
         except Rejection as rejection:
-            await context.abort(rejection.code, rejection.message)
-        ready = asyncio.Event()
+            await rejection.abort(context)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
-        subscription = self.registry.subscribe(hello.engine_id, ready.set)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
         )
         log.info("engine connected", extra={"engine_id": hello.engine_id})
         try:
-            await context.send_initial_metadata(())
+            await context.send_initial_metadata(self.subscription_headers)
             while True:
                 ready.clear()
-                dispatches = self.registry.take(subscription, STREAM_BATCH)
+                dispatches = self.registry.delivery.take(subscription, STREAM_BATCH)
                 if dispatches is None:
                     return  # replaced by a newer stream for this engine
                 responses = owed.responses(dispatches)
-                for response in responses:
-                    yield response
                 if responses:
+                    await self.durably(context)
+                    for response in responses:
+                        yield response
                     continue
                 if reader.done():
                     try:
                         reader.result()  # surfaces a read error, if any
                     except Rejection as rejection:
                         # Everything before the refused message is acknowledged.
-                        await context.abort(rejection.code, rejection.message)
+                        await rejection.abort(context)
                     return  # the engine half-closed and everything is acknowledged
                 await ready.wait()
         finally:
             reader.cancel()
-            self.registry.unsubscribe(subscription)
+            self.registry.delivery.unsubscribe(subscription)
             log.info("engine disconnected", extra={"engine_id": hello.engine_id})
 
     async def _read_reports(
@@ -404,3 +482,9 @@ def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
 
 def _unexpected_hello() -> None:
     raise InvalidArgument("a report must carry a fact or an outcome; hello comes once, first")
+
+
+def _trace_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
+    """The caller's W3C trace context headers, if any, for the journal."""
+    metadata = context.invocation_metadata() or ()
+    return tuple((key, str(value)) for key, value in metadata if key in TRACE_CONTEXT)

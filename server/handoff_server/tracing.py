@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span, SpanContext
     from opentelemetry.trace import Tracer as OtelTracer
 
-    from handoff_server.registry import Dispatch, Entry, Retained
+    from handoff_server.delivery import Dispatch
+    from handoff_server.entries import Entry, Retained
 
 log = logging.getLogger("handoff.tracing")
 
@@ -80,6 +81,9 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         self._tracer: OtelTracer = provider.get_tracer("handoff_server")
         self.provider = provider
+        # Set by recovery while the journal replays: spans that end then were
+        # exported by the process that lived them, and are not ended again.
+        self.replaying = False
 
     # --- the observer interface the registry reports to ----------------------
 
@@ -124,7 +128,7 @@ class Tracing:
         )
         if action.completion is not None:
             # Complete is a notice: no outcome will end its span.
-            span.end(end_time=_ns(now))
+            self._finish(span, now)
         else:
             trace.actions[action.id] = span
         # W3C traceparent, formatted here: the propagator would build a context first.
@@ -156,7 +160,7 @@ class Tracing:
         span.set_attribute("handoff.action.attempts", attempts)
         if outcome.kind is OutcomeKind.FAILED:
             span.set_status(self._trace.StatusCode.ERROR, outcome.reason or "failed")
-        span.end(end_time=_ns(now))
+        self._finish(span, now)
 
     def called(
         self,
@@ -231,10 +235,15 @@ class Tracing:
         for span in trace.actions.values():
             # The core forgot them: no outcome will come (a lost engine's, say).
             span.set_attribute("handoff.outcome", f"none ({why})")
-            span.end(end_time=_ns(now))
+            self._finish(span, now)
         trace.actions.clear()
-        trace.span.end(end_time=_ns(now))
+        self._finish(trace.span, now)
         trace.span = trace.parent = None
+
+    def _finish(self, span: Span, now: float) -> None:
+        # A span left unended is never exported: replayed history is not exported twice.
+        if not self.replaying:
+            span.end(end_time=_ns(now))
 
     def shutdown(self) -> None:
         """Export what is buffered and stop (the server's last step)."""

@@ -1,0 +1,207 @@
+"""What the registry keeps per handoff: an Entry in full while it can change,
+a Retained record (packed) once it completed, and the request that started it.
+
+Shared by the registry, retention, the conversions to protobuf and the
+security checks, none of which need the registry itself.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar
+
+from handoff_server.core import Handoff
+from handoff_server.delivery import ROLE_OF, Role
+from handoff_server.model import ActionKind, Order
+from handoff_server.packing import Completed, pack
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    handoff_id: str
+    order: Order
+    source_engine_id: str
+    destination_engine_id: str
+    fallback_transfer_delay_ms: float
+    transfer_executor: Role = Role.SOURCE
+    timeout_s: float | None = None
+    # The caller's W3C trace context (traceparent, tracestate), kept in the journal.
+    trace_context: tuple[tuple[str, str], ...] = ()
+
+
+Routed = tuple[float, ActionKind, tuple[str, ...]]  # issued at, kind, engines it went to
+
+
+class Entry:
+    """A handoff in full: its core and what the registry knows beyond it.
+
+    Unfinished handoffs are kept as these, and so are abandoned ones while
+    retained (rare, and shown with what was left outstanding); completed
+    ones are packed (Retained).
+    """
+
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "timeout_s",
+        "started_at",
+        "deadline",
+        "completed_at",
+        "abandoned_at",
+        "lifecycle_at",
+        "routed",
+        "held_at",
+        "cleanup_epoch",
+        "redelivery_round",
+        "encoding",
+        "trace",
+    )
+
+    def __init__(
+        self,
+        core: Handoff,
+        source_engine_id: str,
+        destination_engine_id: str,
+        transfer_executor: Role,
+        timeout_s: float,
+        started_at: float,
+        deadline: float,
+    ) -> None:
+        self.core = core
+        self.source_engine_id = source_engine_id
+        self.destination_engine_id = destination_engine_id
+        self.transfer_executor = transfer_executor
+        self.timeout_s = timeout_s
+        self.started_at = started_at
+        self.deadline = deadline
+        self.completed_at: float | None = None
+        self.abandoned_at: float | None = None
+        self.lifecycle_at: list[float] = []  # when each core.lifecycle event was proven
+        self.routed: dict[int, Routed] = {}  # outstanding actions by id
+        self.held_at: float | None = None
+        # Renewed each time cleanup (re)starts, from the registry-wide counter:
+        # it stales the timers of an earlier cleanup, even one of an earlier
+        # handoff under the same id (evicted or expired, then reused).
+        self.cleanup_epoch = 0
+        self.redelivery_round = 0
+        # Kept by convert.handoff, opaque here: the answer's encoding so far,
+        # so that answering a report encodes only what the report changed.
+        self.encoding: object = None
+        self.trace: object = None  # tracing.HandoffTrace when tracing is on
+
+    @property
+    def handoff_id(self) -> str:
+        return self.core.handoff_id
+
+    @property
+    def ended_at(self) -> float | None:
+        """When it was abandoned (the only Entry kept in retention)."""
+        return self.abandoned_at
+
+    @property
+    def engines(self) -> set[str]:
+        return {self.source_engine_id, self.destination_engine_id}
+
+    def engine_for(self, role: Role) -> tuple[str, ...]:
+        if role is Role.SOURCE:
+            return (self.source_engine_id,)
+        if role is Role.DESTINATION:
+            return (self.destination_engine_id,)
+        if self.source_engine_id == self.destination_engine_id:
+            return (self.source_engine_id,)
+        return (self.source_engine_id, self.destination_engine_id)
+
+    def roles_of(self, engine_id: str) -> list[Role]:
+        """The sides ``engine_id`` plays in this handoff (both if it is its own decode)."""
+        return [r for r in (Role.SOURCE, Role.DESTINATION) if self.engine_for(r)[0] == engine_id]
+
+    def role_of(self, kind: ActionKind) -> Role:
+        return self.transfer_executor if kind is ActionKind.START_TRANSFER else ROLE_OF[kind]
+
+
+class Retained:
+    """A completed handoff, kept for late reports, GetHandoff and id reuse checks.
+
+    Up to max_retained of these live for retention_s each, so a retained
+    handoff keeps a packed core, names shared with every other handoff of its
+    engines, and its times as one bytes object: about a fifth of an Entry. A
+    call that reaches it runs on an unpacked Entry (see unpack).
+    """
+
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "trace",
+        "_times",
+    )
+
+    # Nothing is outstanding once complete; read by security.authorize_report.
+    routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
+    abandoned_at: ClassVar[None] = None
+
+    def __init__(self, entry: Entry) -> None:
+        assert entry.completed_at is not None
+        self.core: Completed = pack(entry.core)
+        self.source_engine_id = entry.source_engine_id
+        self.destination_engine_id = entry.destination_engine_id
+        self.transfer_executor = entry.transfer_executor
+        self.trace = entry.trace
+        times = (
+            entry.started_at,
+            entry.deadline,
+            entry.completed_at,
+            entry.timeout_s,
+            *entry.lifecycle_at,
+        )
+        self._times = array("d", times).tobytes()
+
+    @property
+    def handoff_id(self) -> str:
+        return self.core.handoff_id
+
+    @property
+    def started_at(self) -> float:
+        return array("d", self._times)[0]
+
+    @property
+    def deadline(self) -> float:
+        return array("d", self._times)[1]
+
+    @property
+    def completed_at(self) -> float:
+        return array("d", self._times)[2]
+
+    @property
+    def timeout_s(self) -> float:
+        return array("d", self._times)[3]
+
+    @property
+    def ended_at(self) -> float:
+        return self.completed_at
+
+    @property
+    def lifecycle_at(self) -> list[float]:
+        return array("d", self._times)[4:].tolist()
+
+    def unpack(self) -> Entry:
+        """The full Entry again, for a call that may change the handoff."""
+        entry = Entry(
+            self.core.unpack(),
+            self.source_engine_id,
+            self.destination_engine_id,
+            self.transfer_executor,
+            self.timeout_s,
+            self.started_at,
+            self.deadline,
+        )
+        entry.completed_at = self.completed_at
+        entry.lifecycle_at = self.lifecycle_at
+        entry.trace = self.trace
+        return entry

@@ -1,0 +1,302 @@
+"""Recovery: what a journal record means, and replaying a journal into a Registry.
+
+The journal (journal.py) stores; this module says what is stored. The
+registry hands each accepted call to a :class:`JournalRecorder` (its
+``recorder``), which encodes it as a small JSON list. On start, :func:`recover`
+replays every record through the registry itself, with the server's clock
+reading each record's time, so deadlines, lifecycle times, retention and
+cleanup timers come back as they were; nothing is reconstructed by hand.
+
+While replaying, each engine named by a handoff has a stand-in stream that
+takes every action as it is issued: so every issued action counts as
+written, and is redelivered when the engine subscribes again (at least
+once, as after any reconnect). Each stand-in subscribes under its engine's
+last journaled incarnation, so an engine that comes back under it
+reconnects, and one under a newer incarnation restarted and is lost. The
+stand-ins end when the replay does, so an engine that does not come back
+within the delivery timeout, counted from recovery, is lost as usual. What
+the server decided on its own (a deadline, a lost engine, a settled cleanup,
+a shutdown's cancel, an abandonment) was journaled when it happened and
+replays as a record: the replay never decides anything itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from handoff_server.delivery import Role, Subscription
+from handoff_server.entries import Entry, StartRequest
+from handoff_server.journal import Journal
+from handoff_server.metrics import Metrics
+from handoff_server.model import (
+    Canceled,
+    DestinationReserved,
+    EngineLost,
+    Fact,
+    Failed,
+    HandoffError,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Phase,
+    Side,
+    SourceHeld,
+    TimedOut,
+    TimingMode,
+    TransferCompleted,
+    TransferTiming,
+)
+from handoff_server.registry import Recorded, Registry
+
+log = logging.getLogger("handoff.recovery")
+
+TAKE_ALL = 1 << 30
+STAND_IN_SESSION = "journal-recovery"
+ABANDONED = "abandoned"  # a record of its own: the cleanup timer's doing, not a call's
+SIMPLE_FACTS: dict[str, Fact] = {
+    "transfer_completed": TransferCompleted(),
+    "failed": Failed(),
+    "timed_out": TimedOut(),
+    "canceled": Canceled(),
+}
+SIMPLE_NAMES = {type(fact): name for name, fact in SIMPLE_FACTS.items()}
+
+
+# --- what a record says ------------------------------------------------------
+
+
+def encode(call: Recorded) -> list[object]:
+    if isinstance(call, tuple):
+        action_id, outcome = call
+        return ["outcome", action_id, outcome.kind.value, outcome.reason]
+    if isinstance(call, StartRequest):
+        return [
+            "start",
+            call.order.value,
+            call.source_engine_id,
+            call.destination_engine_id,
+            call.fallback_transfer_delay_ms,
+            call.transfer_executor.value,
+            call.timeout_s,
+            [list(pair) for pair in call.trace_context],
+        ]
+    if isinstance(call, SourceHeld):
+        t = call.transfer_timing
+        return [
+            "source_held",
+            t.mode.value,
+            t.full_prompt_tokens,
+            t.kv_bytes_per_token,
+            t.bandwidth_gb_s,
+            t.state_bytes,
+        ]
+    if isinstance(call, DestinationReserved):
+        return ["destination_reserved", call.transferable_prompt_tokens]
+    if isinstance(call, EngineLost):
+        return ["engine_lost", call.role.value]
+    return [SIMPLE_NAMES[type(call)]]
+
+
+def decode(handoff_id: str, body: list[Any]) -> Recorded:
+    kind = body[0]
+    if kind == "outcome":
+        _, action_id, outcome_kind, reason = body
+        return action_id, Outcome(OutcomeKind(outcome_kind), reason)
+    if kind == "start":
+        _, order, source, destination, fallback, executor, timeout_s, trace = body
+        return StartRequest(
+            handoff_id,
+            Order(order),
+            source,
+            destination,
+            fallback,
+            Role(executor),
+            timeout_s,
+            tuple((key, value) for key, value in trace),
+        )
+    if kind == "source_held":
+        _, mode, tokens, kv_bytes, bandwidth, state_bytes = body
+        return SourceHeld(
+            TransferTiming(TimingMode(mode), tokens, kv_bytes, bandwidth, state_bytes)
+        )
+    if kind == "destination_reserved":
+        return DestinationReserved(body[1])
+    if kind == "engine_lost":
+        return EngineLost(Side(body[1]))
+    return SIMPLE_FACTS[kind]
+
+
+class JournalRecorder:
+    """The registry's recorder: encodes each accepted call into the journal."""
+
+    __slots__ = ("journal",)
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+
+    def record(self, handoff_id: str, at: float, call: Recorded) -> None:
+        self.journal.append(handoff_id, at, encode(call))
+
+    def abandoned(self, handoff_id: str, at: float) -> None:
+        self.journal.append(handoff_id, at, [ABANDONED])
+
+    def drop(self, handoff_id: str) -> None:
+        self.journal.drop(handoff_id)
+
+
+# --- replay --------------------------------------------------------------------
+
+
+class ReplayClock:
+    """The server's clock, reading a record's time while the journal is replayed.
+
+    After the replay it never reads earlier than the last record, even if the
+    machine's clock went back across the restart: the registry relies on time
+    never going backwards.
+    """
+
+    __slots__ = ("_clock", "_at", "_offset")
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._at: float | None = None
+        self._offset = 0.0
+
+    def __call__(self) -> float:
+        at = self._at
+        return at if at is not None else self._clock() + self._offset
+
+    def replaying(self, at: float) -> None:
+        self._at = at
+
+    def resume(self) -> None:
+        last, self._at = self._at, None
+        if last is not None:
+            self._offset = max(0.0, last - self._clock())
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What a replay brought back."""
+
+    handoffs: dict[Phase, int]  # by phase, the abandoned apart
+    abandoned: int
+    records: int
+    skipped: int  # records the registry no longer accepted (see recover)
+    seconds: float
+    engine_incarnations: dict[str, str]
+
+    @property
+    def total(self) -> int:
+        return sum(self.handoffs.values()) + self.abandoned
+
+
+def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recovery:
+    """Replay ``journal`` into ``registry`` (new, built on ``clock``); then it serves.
+
+    A record is skipped, never fatal, if the registry refuses it: the live
+    registry read its clock a few microseconds apart within one call, the
+    replay reads one time per record, and a retained handoff whose expiry
+    fell in between expires a call earlier. Skips are counted and logged.
+    """
+    began = time.monotonic()
+    assert registry.recorder is None, "replay must not journal what it replays"
+    live_metrics, registry.metrics = registry.metrics, Metrics()  # history is not news
+    delivery = registry.delivery
+    delivery.metrics = registry.metrics
+    streams: dict[str, Subscription] = {}
+    ready: set[str] = set()
+    records = skipped = 0
+    incarnations = journal.engine_incarnations()
+    tracer = registry.tracer
+    if tracer.on:
+        tracer.replaying = True  # history is not news to the trace collector either
+
+    def stand_in(engine_id: str) -> None:
+        # Under the engine's last incarnation: the engine that comes back
+        # under it reconnects; one under a newer one restarted, and is lost.
+        if engine_id not in streams:
+            streams[engine_id] = registry.subscribe(
+                engine_id,
+                lambda: ready.add(engine_id),
+                incarnations.get(engine_id, ""),
+                STAND_IN_SESSION,
+            )
+
+    with _quiet("handoff.registry"):
+        for record in journal.records():
+            records += 1
+            clock.replaying(record.at)
+            if record.body[0] == ABANDONED:
+                if isinstance(registry.handoffs.get(record.handoff_id), Entry):
+                    registry.abandon(record.handoff_id)
+                else:
+                    skipped += 1
+                continue
+            call = decode(record.handoff_id, record.body)
+            try:
+                if isinstance(call, StartRequest):
+                    stand_in(call.source_engine_id)
+                    stand_in(call.destination_engine_id)
+                    registry.start(call)
+                elif isinstance(call, tuple):
+                    registry.report_outcome(record.handoff_id, *call)
+                else:
+                    registry.report_fact(record.handoff_id, call)
+            except HandoffError as error:
+                skipped += 1
+                log.debug("record %d skipped: %s", record.seq, error.message)
+            # Taken at once, as a live stream would have: whether an engine was
+            # reached is part of the state (what is redelivered; who is owed).
+            while ready:
+                delivery.take(streams[ready.pop()], TAKE_ALL)
+        clock.resume()
+        if tracer.on:
+            tracer.replaying = False
+        for stream in streams.values():
+            delivery.take(stream, TAKE_ALL)
+            delivery.unsubscribe(stream)
+    registry.metrics = delivery.metrics = live_metrics
+    phases = dict.fromkeys(Phase, 0)
+    abandoned = 0
+    for entry in registry.handoffs.values():
+        if isinstance(entry, Entry) and entry.abandoned_at is not None:
+            abandoned += 1  # kept for GetHandoff, counted in no phase
+        else:
+            phases[entry.core.phase] += 1
+    for phase, count in phases.items():
+        live_metrics.handoffs_by[phase].set(count)
+    recovery = Recovery(phases, abandoned, records, skipped, time.monotonic() - began, incarnations)
+    live_metrics.recovered_handoffs.set(recovery.total)
+    live_metrics.recovery_seconds.set(recovery.seconds)
+    log.info(
+        "recovered %d handoffs (%d active, %d cleaning up, %d retained, %d abandoned) from "
+        "%d journal records in %.2f s",
+        recovery.total,
+        phases[Phase.ACTIVE],
+        phases[Phase.CLEANING_UP],
+        phases[Phase.COMPLETE],
+        abandoned,
+        records,
+        recovery.seconds,
+    )
+    if skipped:
+        log.warning("%d journal records no longer applied and were skipped", skipped)
+    return recovery
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Silence a logger's per-handoff lines while history replays."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
