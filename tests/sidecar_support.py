@@ -127,14 +127,20 @@ class WatchedTransport:
         self._hold = hold_first_outcome
 
     def subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> AsyncGenerator[Action, None]:
-        return self._subscribe(engine_id, on_subscribed)
+        inner = self.inner.subscribe(
+            engine_id, on_subscribed, incarnation=incarnation, session_id=session_id
+        )
+        return self._subscribe(inner)
 
-    async def _subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
-    ) -> AsyncGenerator[Action, None]:
-        async with contextlib.aclosing(self.inner.subscribe(engine_id, on_subscribed)) as actions:
+    async def _subscribe(self, inner: AsyncGenerator[Action, None]) -> AsyncGenerator[Action, None]:
+        async with contextlib.aclosing(inner) as actions:
             async for action in actions:
                 self.yielded[action.kind] += 1
                 self.yielded_event[(action.kind, self.yielded[action.kind])].set()

@@ -183,14 +183,32 @@ async def test_retries_stop_at_max_attempts() -> None:
     assert rng.draws == 3  # one backoff draw per failure; the third failure is final
 
 
-async def test_start_handoff_is_never_retried() -> None:
-    # A lost answer to a start that did happen would turn into ALREADY_EXISTS on a retry.
+async def test_start_handoff_retries_until_the_server_is_up(
+    start_lean_server: StartServer,
+) -> None:
+    # Safe now: a retry of a start that did happen answers already_started.
+    port = free_port()
     rng = CountingRandom()
-    async with HandoffClient(f"127.0.0.1:{free_port()}", rng=rng) as client:
+    retry = RetryPolicy(max_attempts=200, backoff=Backoff(initial_s=0.01, max_s=0.05))
+    async with HandoffClient(
+        f"127.0.0.1:{port}", retry=retry, rng=rng, channel_options=FAST_RECONNECT
+    ) as client:
+        starting = asyncio.create_task(start_vllm(client))
+        async with asyncio.timeout(TIMEOUT_S):
+            await rng.drawn.wait()  # the first attempt failed and a retry is scheduled
+            await start_lean_server(port=port)
+            await starting
+    assert rng.draws >= 1
+
+
+async def test_start_handoff_gives_up_after_max_attempts() -> None:
+    rng = CountingRandom()
+    retry = RetryPolicy(max_attempts=3, backoff=Backoff(initial_s=0.01, max_s=0.02))
+    async with HandoffClient(f"127.0.0.1:{free_port()}", retry=retry, rng=rng) as client:
         with pytest.raises(UnavailableError):
             async with asyncio.timeout(TIMEOUT_S):
                 await start_vllm(client)
-    assert rng.draws == 1  # drawn for the first failure, then not used
+    assert rng.draws == 3
 
 
 async def test_the_token_goes_with_every_call(start_lean_server: StartServer) -> None:
@@ -205,7 +223,9 @@ async def test_the_token_goes_with_every_call(start_lean_server: StartServer) ->
             action = await anext(actions)
         assert action.kind is ActionKind.CANCEL_SOURCE
         connect = ConnectTransport(client)
-        async with contextlib.aclosing(connect.subscribe("prefill-0", lambda: None)) as actions:
+        async with contextlib.aclosing(
+            connect.subscribe("prefill-0", lambda: None, incarnation="", session_id="")
+        ) as actions:
             action = await anext(actions)  # redelivered, on Connect this time
             await connect.report_outcome(handoff_id, action.id, Outcome(OutcomeKind.APPLIED))
         assert (await client.get_handoff(handoff_id)).phase is Phase.COMPLETE
@@ -217,7 +237,11 @@ async def test_the_token_goes_with_every_call(start_lean_server: StartServer) ->
                 client.report_outcome(handoff_id, 1, Outcome(OutcomeKind.APPLIED)),
                 client.get_handoff(handoff_id),
                 anext(client.stream_actions("prefill-0")),
-                anext(ConnectTransport(client).subscribe("prefill-0", lambda: None)),
+                anext(
+                    ConnectTransport(client).subscribe(
+                        "prefill-0", lambda: None, incarnation="", session_id=""
+                    )
+                ),
             ]
             for call in calls:
                 with pytest.raises(UnauthenticatedError):
@@ -291,4 +315,6 @@ def test_every_status_has_its_exception() -> None:
             for cls in vars(errors).values()
             if isinstance(cls, type) and issubclass(cls, HandoffRpcError) and cls.code is code
         ]
-        assert len(classes) == (2 if code is grpc.StatusCode.UNKNOWN else 1), code
+        # UNKNOWN: the base class too; FAILED_PRECONDITION: the two fencing refusals too.
+        expected = {grpc.StatusCode.UNKNOWN: 2, grpc.StatusCode.FAILED_PRECONDITION: 3}
+        assert len(classes) == expected.get(code, 1), code

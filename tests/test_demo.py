@@ -43,6 +43,9 @@ def test_a_short_demo_ends_with_a_clean_summary(tmp_path: Path) -> None:
     assert "leaked: 0 blocks" in out
     assert "stuck: 0" in out
     assert "PASS: every handoff finished" in out
+    # The demo's faults include an engine restarting under its id and hung handlers.
+    assert re.search(r"restarted: \S+-\d, stuck handlers: [1-9]\d* on \S+", out)
+    assert re.search(r"engines lost: restarted \d+, unreachable \d+", out)
     assert re.search(r"latency p50/p95/p99: \S+ m?s / \S+ m?s / \S+ m?s", out)
     # The demo's server is fresh: it started exactly the handoffs the simulator did.
     assert number(r"handoffs: (\d+) started", out) == number(r"\n\s+started: (\d+)", out) > 0

@@ -37,12 +37,6 @@ HANDOFF = str(Path(sys.executable).with_name("handoff"))
 TIMEOUT_S = 30.0
 README_MAX_LINES = 250
 
-# Documents other branches are writing; a link to one of them is allowed to
-# dangle until it is merged. Remove each name once its file exists.
-WRITTEN_ELSEWHERE = {
-    "docs/engine-contract.md",
-}
-
 # Commands a ```sh block may name that cannot run here; only the repository
 # paths they mention are checked.
 EXTERNAL_COMMANDS = {"docker", "kubectl", "promtool", "grpcurl"}
@@ -283,9 +277,7 @@ def test_every_relative_link_resolves(doc: Path) -> None:
             continue  # a URL
         path, _, anchor = target.partition("#")
         resolved = (doc.parent / path).resolve() if path else doc
-        name = str(resolved.relative_to(ROOT))
-        if name in WRITTEN_ELSEWHERE and not resolved.exists():
-            continue
+        assert resolved.is_relative_to(ROOT), f"{doc.name}: {target} leaves the repository"
         assert resolved.exists(), f"{doc.name}: {target} does not exist"
         if anchor:
             assert anchor in anchors(resolved), f"{doc.name}: {target}: no such heading"
@@ -295,7 +287,7 @@ def test_every_relative_link_resolves(doc: Path) -> None:
 def test_every_repository_path_named_in_backquotes_exists(doc: Path) -> None:
     for name in re.findall(r"`([^`\s*]+)`", doc.read_text()):
         path = name.rstrip("/").split(":")[0]
-        if not path.startswith(REPOSITORY_DIRS) or path in WRITTEN_ELSEWHERE:
+        if not path.startswith(REPOSITORY_DIRS):
             continue
         assert (ROOT / path).exists(), f"{doc.name}: `{name}` does not exist"
 

@@ -22,7 +22,6 @@ from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import guard, servicer
 from handoff_server.app import Server
 from handoff_server.config import Settings
-from handoff_server.guard import MAX_UNACKED_REPORTS
 from handoff_server.metrics import Metrics
 from handoff_server.registry import Registry
 from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
@@ -32,9 +31,6 @@ from tests.grpc_support import StreamRecorder
 from tests.security_support import Stub
 
 TIMEOUT_S = 10.0
-# How long a test watches for something that must NOT happen. There is no
-# event for an absence; this is long against loopback round trips (~1 ms).
-QUIET_S = 0.5
 PROBES = 20  # round trips through the server while a peer waits on flow control
 
 
@@ -326,15 +322,26 @@ async def test_streams_per_connection_are_capped_and_the_rest_wait(
     ):
         held = [await watching(busy) for _ in range(2)]
         stub: Stub = pb_grpc.HandoffCoordinatorStub(busy)
-        # A third call on the same connection waits for a free stream ...
+        # A third call on the same connection waits for a free stream, while
+        # another connection is served: the server answers the other
+        # connection's calls, and its own count proves it saw none of the third's.
         waiting = asyncio.ensure_future(absent(stub))
-        done, _ = await asyncio.wait([waiting], timeout=QUIET_S)
-        assert not done
-        # ... while another connection is served at once.
-        assert await absent(pb_grpc.HandoffCoordinatorStub(idle)) is grpc.StatusCode.NOT_FOUND
+        other = pb_grpc.HandoffCoordinatorStub(idle)
+        for _ in range(PROBES):
+            assert await absent(other) is grpc.StatusCode.NOT_FOUND
+        assert not waiting.done()
+        assert not_found(server) == PROBES
         held.pop().cancel()
         assert await waiting is grpc.StatusCode.NOT_FOUND
+        assert not_found(server) == PROBES + 1
         held[0].cancel()
+
+
+def not_found(server: Server) -> float:
+    """How many GetHandoff calls the server answered NOT_FOUND."""
+    labels = {"rpc": "GetHandoff", "code": "NOT_FOUND"}
+    count = server.metrics.registry.get_sample_value("handoff_rejections_total", labels)
+    return count or 0.0
 
 
 class BlackholeProxy:
@@ -436,7 +443,7 @@ async def test_reports_on_connect_are_not_read_faster_than_their_acks(
     """
     server = await start_server()
     per_message = 10 if batch else 1
-    bound = (3 if batch else 2) * MAX_UNACKED_REPORTS
+    bound = (3 if batch else 2) * MAX_REPORTS_PER_MESSAGE
     total = 2000
 
     def processed() -> float:
@@ -460,7 +467,7 @@ async def test_reports_on_connect_are_not_read_faster_than_their_acks(
 
         call = stub.Connect(requests())
         await call.initial_metadata()
-        while processed() < MAX_UNACKED_REPORTS:  # noqa: ASYNC110 (a metric has no event)
+        while processed() < MAX_REPORTS_PER_MESSAGE:  # noqa: ASYNC110 (a metric has no event)
             await asyncio.sleep(0.01)
         # Not a sleep, which proves nothing on a slow machine: the server answers
         # calls on another connection meanwhile, so it had every chance to read on.

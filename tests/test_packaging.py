@@ -49,3 +49,14 @@ def test_classifiers_name_the_pythons_make_test_runs() -> None:
     assert "PYTHON312 :=" in MAKEFILE
     assert "PYTHON313 :=" in MAKEFILE
     assert PROJECT["license"] == "Apache-2.0"  # an SPDX string: no setuptools warning
+
+
+def test_the_sdk_imports_nothing_of_the_server() -> None:
+    """An engine's image installs the SDK without the server's dependencies."""
+    sdk = ROOT / "client" / "handoff_client"
+    importing = [
+        str(path.relative_to(ROOT))
+        for path in sorted(sdk.rglob("*.py"))
+        if re.search(r"^\s*(from|import) handoff_server\b", path.read_text(), re.MULTILINE)
+    ]
+    assert importing == []

@@ -18,7 +18,6 @@ import pytest
 
 from handoff_client import (
     ActionKind,
-    Backoff,
     Completion,
     ConnectTransport,
     EngineSidecar,
@@ -30,6 +29,7 @@ from handoff_client import (
     TimingMode,
     TransferCompleted,
     TransferTiming,
+    new_incarnation,
 )
 from handoff_client.connect import MAX_BUFFERED_ACTIONS
 from handoff_client.errors import (
@@ -70,7 +70,7 @@ async def refusals(
     exception's class and details, with the handoff ids made neutral."""
     transport = make_transport(client, kind)
     subscribed = asyncio.Event()
-    actions = transport.subscribe(SOURCE, subscribed.set)
+    actions = transport.subscribe(SOURCE, subscribed.set, incarnation="", session_id="")
     first = asyncio.create_task(anext(actions))
     try:
         await subscribed.wait()
@@ -136,7 +136,9 @@ async def test_an_ack_behind_more_actions_than_the_buffer_holds_still_arrives(
     transport = ConnectTransport(client)
     subscribed = asyncio.Event()
     async with (
-        contextlib.aclosing(transport.subscribe(SOURCE, subscribed.set)) as actions,
+        contextlib.aclosing(
+            transport.subscribe(SOURCE, subscribed.set, incarnation="", session_id="")
+        ) as actions,
         asyncio.timeout(TIMEOUT_S),
     ):
         first = asyncio.create_task(anext(actions))  # the stream opens when read
@@ -258,9 +260,12 @@ async def test_a_cut_stream_resends_what_was_unacknowledged_and_answers_from_the
     assert d.stats.reconnects >= 1
 
 
-async def test_a_second_sidecar_for_the_same_engine_replaces_the_first(
+async def test_a_sidecar_restarted_beside_its_engine_resumes_its_actions(
     client: HandoffClient,
 ) -> None:
+    # The engine outlives its sidecar: the new sidecar names the engine's
+    # incarnation, so the server resends what was outstanding instead of
+    # declaring the engine lost (a new incarnation: tests/test_sidecar_fencing.py).
     prefill, first, second = ScriptedEngine(), ScriptedEngine(), ScriptedEngine()
     hung = asyncio.Event()
 
@@ -270,24 +275,19 @@ async def test_a_second_sidecar_for_the_same_engine_replaces_the_first(
         raise AssertionError("unreachable")
 
     first.overrides[ActionKind.RESERVE_DESTINATION] = never_answers
-    watched = WatchedTransport(ConnectTransport(client))
-    # A slow reconnect: the replaced sidecar is stopped long before it retries.
-    old = EngineSidecar(
-        watched, DESTINATION, first, reconnect_backoff=Backoff(initial_s=5.0, max_s=5.0)
-    )
+    old = EngineSidecar(client, DESTINATION, first, incarnation=new_incarnation())
     async with running(client, SOURCE, prefill), asyncio.timeout(TIMEOUT_S):
         old.start()
         await old.wait_subscribed()
         handoff_id = await start(client)
-        await hung.wait()  # the first engine took ReserveDestination and hangs
-        async with running(client, DESTINATION, second):  # Connect, same engine id
-            await watched.ended_cleanly.wait()  # the server ended the old stream: OK
-            await old.stop(grace_s=0)
+        await hung.wait()  # the first sidecar took ReserveDestination and hangs
+        await old.stop(grace_s=0)  # ... and its process dies
+        async with running(client, DESTINATION, second, incarnation=old.incarnation) as new:
             await second.notices[handoff_id].get()
             handoff = await client.get_handoff(handoff_id)
     assert handoff.completion is Completion.SUCCESS
+    assert LifecycleEventKind.DESTINATION_LOST not in [e.kind for e in handoff.lifecycle]
     (reserve,) = [a for a in second.calls if a.kind is ActionKind.RESERVE_DESTINATION]
-    assert reserve.attempt == 2  # redelivered to the replacement
+    assert reserve.attempt == 2  # redelivered to the restarted sidecar
     assert first.count(ActionKind.RESERVE_DESTINATION) == 1
-    assert old.stats.reconnects == 1
-    assert old.stats.reports_rejected == 0
+    assert new.session_id != old.session_id

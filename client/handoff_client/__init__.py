@@ -1,9 +1,12 @@
 """handoff_client: the SDK for frontends and engine sidecars.
 
 - :class:`HandoffClient`: typed async calls (start, report, get, stream).
-- :class:`EngineSidecar`: runs an :class:`Engine`'s handlers for its actions,
+- :class:`EngineSidecar`: runs an :class:`Engine`'s handlers for its actions
+  (or a :class:`SourceEngine`'s or :class:`DestinationEngine`'s: one side),
   over :class:`ConnectTransport` (one stream per engine) or
-  :class:`UnaryTransport`.
+  :class:`UnaryTransport`. docs/engine-contract.md says what handlers must do.
+- Ready-made outcomes for handlers: ``SUBMITTED``, ``ACCEPTED``, ``SCHEDULED``,
+  ``APPLIED``, ``NOOP``, ``failed(reason)``.
 - :mod:`handoff_client.errors`: one exception per gRPC status.
 - :mod:`handoff_client.sim`: simulated engines and load, behind ``handoff sim``
   and ``handoff demo``.
@@ -11,13 +14,19 @@
 
 from handoff_client.client import HandoffClient
 from handoff_client.connect import ConnectTransport
-from handoff_client.errors import HandoffRpcError
+from handoff_client.errors import HandoffRpcError, OlderIncarnationError, SessionConflictError
 from handoff_client.model import (
+    ACCEPTED,
+    APPLIED,
+    NOOP,
+    SCHEDULED,
+    SUBMITTED,
     Action,
     ActionKind,
     Canceled,
     Completion,
     DestinationReserved,
+    EngineLost,
     EngineType,
     Fact,
     Failed,
@@ -35,20 +44,36 @@ from handoff_client.model import (
     TimingMode,
     TransferCompleted,
     TransferTiming,
+    failed,
 )
 from handoff_client.retry import Backoff, RetryPolicy
-from handoff_client.sidecar import Engine, EngineSidecar, Facts, SidecarStats
+from handoff_client.sidecar import (
+    DestinationEngine,
+    Engine,
+    EngineSidecar,
+    Facts,
+    SidecarStats,
+    SourceEngine,
+    new_incarnation,
+)
 from handoff_client.transport import SidecarTransport, TransportKind, UnaryTransport
 
 __all__ = [
+    "ACCEPTED",
+    "APPLIED",
+    "NOOP",
+    "SCHEDULED",
+    "SUBMITTED",
     "Action",
     "ActionKind",
     "Backoff",
     "Canceled",
     "Completion",
     "ConnectTransport",
+    "DestinationEngine",
     "DestinationReserved",
     "Engine",
+    "EngineLost",
     "EngineSidecar",
     "EngineType",
     "Fact",
@@ -60,14 +85,17 @@ __all__ = [
     "HandoffUpdate",
     "LifecycleEvent",
     "LifecycleEventKind",
+    "OlderIncarnationError",
     "Order",
     "Outcome",
     "OutcomeKind",
     "Phase",
     "RetryPolicy",
     "Role",
+    "SessionConflictError",
     "SidecarStats",
     "SidecarTransport",
+    "SourceEngine",
     "SourceHeld",
     "TimedOut",
     "TimingMode",
@@ -75,4 +103,6 @@ __all__ = [
     "TransferTiming",
     "TransportKind",
     "UnaryTransport",
+    "failed",
+    "new_incarnation",
 ]

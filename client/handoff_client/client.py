@@ -3,10 +3,11 @@
 Every call has a deadline (``timeout_s``, per client and per call) and raises a
 :class:`~handoff_client.errors.HandoffRpcError` subclass on failure. Calls that
 the server makes idempotent (GetHandoff, ReportFact, ReportOutcome) are retried
-on UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is not:
-if the first attempt reached the server and only its answer was lost, a retry
-would answer ALREADY_EXISTS for the caller's own handoff, which the client
-cannot tell from a real id collision.
+on UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is
+idempotent too (the same id with the same parameters answers the handoff as it
+stands, flagged ``already_started``), so it is retried on UNAVAILABLE and on
+DEADLINE_EXCEEDED, each attempt with the whole deadline: an attempt whose
+answer was lost is answered by the next one.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ from handoff_client.model import (
     Role,
 )
 from handoff_client.retry import RetryPolicy
+
+# Which failures each kind of call retries; a call retried on
+# DEADLINE_EXCEEDED gives every attempt the whole deadline.
+RETRY_UNAVAILABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+RETRY_UNAVAILABLE_OR_DEADLINE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -114,9 +122,7 @@ class HandoffClient:
     async def wait_ready(self) -> None:
         """Until the channel is connected, e.g. after the server restarted.
 
-        StartHandoff is never retried (a lost answer would turn a retry into
-        ALREADY_EXISTS for the caller's own handoff), so a caller that knows
-        the server was down can wait here first. Bound it with asyncio.timeout.
+        Bound it with asyncio.timeout.
         """
         await self._channel.channel_ready()
 
@@ -138,7 +144,12 @@ class HandoffClient:
         """Create and start one handoff. Give ``order`` or ``engine_type`` (or both, agreeing).
 
         ``handoff_timeout_s`` is the handoff's own deadline (server default when
-        None); ``timeout_s`` is this call's.
+        None); ``timeout_s`` is each attempt's. Retried on UNAVAILABLE and
+        DEADLINE_EXCEEDED up to ``retry.max_attempts`` times: when an earlier
+        attempt reached the server, the answer has ``already_started`` set and
+        no actions (they went to the engines' streams). ALREADY_EXISTS means
+        the id is taken by a handoff with other parameters; the message names
+        the field that differs.
         """
         if order is None and engine_type is None:
             raise ValueError("give order or engine_type")
@@ -159,15 +170,25 @@ class HandoffClient:
         # The caller's trace continues in the coordinator (with the otel extra).
         metadata = self._metadata + tracing.current_context_metadata()
         response = await self._call(
-            self._stub.StartHandoff, request, timeout_s, retry=False, metadata=metadata
+            self._stub.StartHandoff,
+            request,
+            timeout_s,
+            retry=RETRY_UNAVAILABLE_OR_DEADLINE,
+            metadata=metadata,
         )
-        return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
+        return HandoffUpdate(
+            handoff_from_pb(response.handoff),
+            actions_from_pb(response.actions),
+            already_started=response.already_started,
+        )
 
     async def report_fact(
         self, handoff_id: str, fact: Fact, *, timeout_s: float | None = None
     ) -> HandoffUpdate:
         request = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
-        response = await self._call(self._stub.ReportFact, request, timeout_s, retry=True)
+        response = await self._call(
+            self._stub.ReportFact, request, timeout_s, retry=RETRY_UNAVAILABLE
+        )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
     async def cancel(
@@ -182,18 +203,30 @@ class HandoffClient:
         request = pb.ReportOutcomeRequest(
             handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
         )
-        response = await self._call(self._stub.ReportOutcome, request, timeout_s, retry=True)
+        response = await self._call(
+            self._stub.ReportOutcome, request, timeout_s, retry=RETRY_UNAVAILABLE
+        )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
     async def get_handoff(self, handoff_id: str, *, timeout_s: float | None = None) -> Handoff:
         request = pb.GetHandoffRequest(handoff_id=handoff_id)
-        response = await self._call(self._stub.GetHandoff, request, timeout_s, retry=True)
+        response = await self._call(
+            self._stub.GetHandoff, request, timeout_s, retry=RETRY_UNAVAILABLE
+        )
         return handoff_from_pb(response.handoff)
 
     async def stream_actions(
-        self, engine_id: str, on_subscribed: Callable[[], None] | None = None
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None] | None = None,
+        *,
+        incarnation: str = "",
+        session_id: str = "",
     ) -> AsyncGenerator[Action, None]:
         """Every action addressed to ``engine_id``, until the stream ends or fails.
+
+        ``incarnation`` and ``session_id`` fence the subscription (see
+        :class:`~handoff_client.sidecar.EngineSidecar`); empty, there is none.
 
         ``on_subscribed`` is called once the server confirms the subscription
         (its response headers), which may be long before the first action.
@@ -202,7 +235,10 @@ class HandoffClient:
         with ``contextlib.aclosing`` to cancel the call.
         """
         call = self._stub.StreamActions(
-            pb.StreamActionsRequest(engine_id=engine_id), metadata=self._metadata
+            pb.StreamActionsRequest(
+                engine_id=engine_id, incarnation=incarnation, session_id=session_id
+            ),
+            metadata=self._metadata,
         )
         try:
             if on_subscribed is not None:
@@ -236,13 +272,17 @@ class HandoffClient:
         request: Request,
         timeout_s: float | None,
         *,
-        retry: bool,
+        retry: frozenset[grpc.StatusCode],
         metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> Response:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.timeout_s if timeout_s is None else timeout_s)
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        deadline = loop.time() + budget
+        per_attempt = grpc.StatusCode.DEADLINE_EXCEEDED in retry
         failures = 0
         while True:
+            if per_attempt:
+                deadline = loop.time() + budget
             try:
                 return await method(
                     request,
@@ -253,10 +293,9 @@ class HandoffClient:
                 failures += 1
                 delay = self.retry.backoff.delay_s(failures, self._rng)
                 if not (
-                    retry
-                    and error.code() is grpc.StatusCode.UNAVAILABLE
+                    error.code() in retry
                     and failures < self.retry.max_attempts
-                    and loop.time() + delay < deadline
+                    and (per_attempt or loop.time() + delay < deadline)
                 ):
                     raise error_for(error) from error
             await asyncio.sleep(delay)

@@ -73,9 +73,21 @@ class ConnectTransport:
         self._last_request_id = 0
 
     def subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> AsyncGenerator[Action, None]:
-        return self._subscribe(engine_id, on_subscribed)
+        hello = pb.ConnectHello(
+            engine_id=engine_id,
+            batch=True,
+            lean_acks=True,
+            incarnation=incarnation,
+            session_id=session_id,
+        )
+        return self._subscribe(hello, on_subscribed)
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
@@ -96,9 +108,9 @@ class ConnectTransport:
     # --- the stream ------------------------------------------------------------
 
     async def _subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self, hello: pb.ConnectHello, on_subscribed: Callable[[], None]
     ) -> AsyncGenerator[Action, None]:
-        stream = _Stream(self._client, engine_id)
+        stream = _Stream(self._client, hello)
         try:
             try:
                 await stream.call.initial_metadata()
@@ -160,9 +172,10 @@ class ConnectTransport:
 class _Stream:
     """One Connect call: the requests to write, a reader, the reports awaiting acks."""
 
-    def __init__(self, client: HandoffClient, engine_id: str) -> None:
-        self._hello = pb.ConnectHello(engine_id=engine_id, batch=True, lean_acks=True)
-        self._requests: asyncio.Queue[pb.ConnectReport] = asyncio.Queue()
+    def __init__(self, client: HandoffClient, hello: pb.ConnectHello) -> None:
+        self._hello = hello
+        # None ends the requests: the stream is closing.
+        self._requests: asyncio.Queue[pb.ConnectReport | None] = asyncio.Queue()
         self.call = client._open_connect(self._outgoing())
         self.pending: dict[int, asyncio.Future[None]] = {}
         self.actions: deque[Action] = deque()
@@ -175,11 +188,15 @@ class _Stream:
     async def _outgoing(self) -> AsyncIterator[pb.ConnectRequest]:
         yield pb.ConnectRequest(hello=self._hello)
         requests = self._requests
-        while True:
+        while (report := await requests.get()) is not None:
             message = pb.ConnectRequest()
-            message.reports.append(await requests.get())
+            message.reports.append(report)
             while not requests.empty() and len(message.reports) < MAX_REPORTS_PER_MESSAGE:
-                message.reports.append(requests.get_nowait())
+                report = requests.get_nowait()
+                if report is None:
+                    yield message
+                    return
+                message.reports.append(report)
             yield message
 
     def start_reading(self) -> None:
@@ -224,7 +241,7 @@ class _Stream:
                 raise  # close(): this reader itself is being cancelled
             # The call was cancelled under it (its channel closed): a failure.
             self.failure = CallCancelledError("the Connect call was cancelled")
-        except Exception as error:  # e.g. an action this SDK cannot read: the sidecar logs it
+        except Exception as error:  # a transport bug: the sidecar logs it and reconnects
             self.failure = error
         finally:
             self._end()
@@ -250,6 +267,12 @@ class _Stream:
 
     async def close(self) -> None:
         self.call.cancel()
+        # gRPC leaves its writer task waiting inside _outgoing; ending the
+        # requests lets it finish (otherwise the task is destroyed pending
+        # and Python reports "aclose(): asynchronous generator is already
+        # running"). After the cancel, so the server never sees a half-close
+        # (a clean end of the engine's stream).
+        self._requests.put_nowait(None)
         if self._reader is not None:
             self._reader.cancel()
             # wait(), not a bare await: the reader's CancelledError stays

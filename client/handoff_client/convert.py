@@ -18,6 +18,7 @@ from handoff_client.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EngineLost,
     Fact,
     Failed,
     Handoff,
@@ -33,16 +34,27 @@ from handoff_client.model import (
     TransferTiming,
 )
 
+_ACTION_KINDS = {kind.value for kind in ActionKind}
+_ROLES = {role.value for role in Role}
+_COMPLETIONS = {completion.value for completion in Completion}
+
 
 def action_from_pb(message: pb.Action) -> Action:
+    """The action; one of a kind (or for a role) this SDK does not know is ``UNKNOWN``.
+
+    Reading never fails on a newer server's action: the sidecar skips it
+    instead of dropping the stream, which would only get it redelivered.
+    """
+    known = message.kind in _ACTION_KINDS and message.target in _ROLES
     return Action(
         handoff_id=message.handoff_id,
         id=message.id,
-        kind=ActionKind(message.kind),
-        target=Role(message.target),
+        kind=ActionKind(message.kind) if known else ActionKind.UNKNOWN,
+        target=Role(message.target) if known else Role.BOTH,
         engine_id=message.engine_id,
         attempt=message.attempt,
         delay_ms=message.delay_ms,
+        completion=Completion(message.completion) if message.completion in _COMPLETIONS else None,
         traceparent=message.traceparent,
         tracestate=message.tracestate,
     )
@@ -74,6 +86,7 @@ def handoff_from_pb(message: pb.Handoff) -> Handoff:
         started_at=_time(message.started_at, message.HasField("started_at")),
         completed_at=_time(message.completed_at, message.HasField("completed_at")),
         fallback_transfer_delay_ms=message.fallback_transfer_delay_ms,
+        abandoned=message.abandoned,
     )
 
 
@@ -110,3 +123,5 @@ def fact_to_pb(fact: Fact) -> pb.Fact:
             return pb.Fact(timed_out=pb.TimedOut())
         case Canceled(reason):
             return pb.Fact(canceled=pb.Canceled(reason=reason))
+        case EngineLost(role):
+            return pb.Fact(engine_lost=pb.EngineLost(role=pb.Role.Value("ROLE_" + role.name)))

@@ -7,6 +7,8 @@ and the reason; it is kept verbatim in :attr:`HandoffRpcError.details`.
 
 from __future__ import annotations
 
+from typing import cast
+
 import grpc
 
 
@@ -69,6 +71,22 @@ class FailedPreconditionError(HandoffRpcError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class OlderIncarnationError(FailedPreconditionError):
+    """A newer incarnation of this engine has subscribed: this one was replaced for good.
+
+    The server refused the subscription (``handoff-fence: older-incarnation``);
+    it has already declared this incarnation's memory lost. Not retried.
+    """
+
+
+class SessionConflictError(FailedPreconditionError):
+    """Another live sidecar holds this engine's stream under the same incarnation.
+
+    The server refused the subscription (``handoff-fence: session-conflict``);
+    it lets this one in once the other's stream is gone. Retried with backoff.
+    """
+
+
 class AbortedError(HandoffRpcError):
     code = grpc.StatusCode.ABORTED
 
@@ -129,9 +147,25 @@ _BY_NUMBER: dict[int, type[HandoffRpcError]] = {
 }
 
 
+# Trailing metadata key of a refused subscription, and its values.
+FENCE_KEY = "handoff-fence"
+_BY_FENCE: dict[str, type[HandoffRpcError]] = {
+    "older-incarnation": OlderIncarnationError,
+    "session-conflict": SessionConflictError,
+}
+
+
 def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
     """The typed exception for ``error``; raise it ``from error`` to keep the chain."""
     cls = _BY_CODE.get(error.code(), UnknownError)
+    if cls is FailedPreconditionError:
+        # The stubs give the sync API's tuple; on grpc.aio it is a Metadata mapping.
+        trailers = cast("grpc.aio.Metadata | None", error.trailing_metadata())
+        fence = None if trailers is None else trailers.get(FENCE_KEY)
+        if isinstance(fence, bytes):
+            fence = fence.decode(errors="replace")
+        if fence is not None:
+            cls = _BY_FENCE.get(fence, cls)
     return cls(error.details() or "")
 
 

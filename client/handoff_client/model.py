@@ -2,7 +2,8 @@
 
 Enum values are the proto enum numbers, which makes conversion a lookup; the
 ``*_UNSPECIFIED`` numbers have no member because the server never sends them
-(an unset completion becomes ``None``).
+(an unset completion becomes ``None``), except :attr:`ActionKind.UNKNOWN`,
+which stands for any action kind this SDK does not know (a newer server).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Completion(enum.Enum):
 
 
 class ActionKind(enum.Enum):
+    UNKNOWN = 0  # a kind a newer server sends and this SDK cannot execute
     SUBMIT_PREFILL = 1
     RESERVE_DESTINATION = 2
     START_TRANSFER = 3
@@ -72,6 +74,8 @@ class LifecycleEventKind(enum.Enum):
     DESTINATION_ACTIVATED = 4
     SOURCE_RELEASED = 5
     COMPLETED = 6
+    SOURCE_LOST = 7  # EngineLost{source} was first applied
+    DESTINATION_LOST = 8  # EngineLost{destination} was first applied
 
 
 # Cleanup actions free memory. The server refuses a FAILED outcome for them:
@@ -79,6 +83,17 @@ class LifecycleEventKind(enum.Enum):
 # server redelivers it until it can.
 CLEANUP_KINDS = frozenset(
     {ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE, ActionKind.CANCEL_DESTINATION}
+)
+
+# Actions that make an engine take something (blocks, a reservation, a
+# transfer, a running decode) for a handoff.
+ACQUIRING_KINDS = frozenset(
+    {
+        ActionKind.SUBMIT_PREFILL,
+        ActionKind.RESERVE_DESTINATION,
+        ActionKind.START_TRANSFER,
+        ActionKind.ACTIVATE_DESTINATION,
+    }
 )
 
 # What each action may come to, besides FAILED for the non-cleanup ones.
@@ -91,13 +106,14 @@ EXPECTED_OUTCOMES: dict[ActionKind, frozenset[OutcomeKind]] = {
     ActionKind.CANCEL_SOURCE: frozenset({OutcomeKind.APPLIED, OutcomeKind.NOOP}),
     ActionKind.CANCEL_DESTINATION: frozenset({OutcomeKind.APPLIED, OutcomeKind.NOOP}),
     ActionKind.COMPLETE: frozenset(),
+    ActionKind.UNKNOWN: frozenset(),
 }
 
 
 def outcome_allowed(kind: ActionKind, outcome: Outcome) -> bool:
     """Whether the server will accept ``outcome`` for an action of ``kind``."""
     if outcome.kind is OutcomeKind.FAILED:
-        return kind not in CLEANUP_KINDS and kind is not ActionKind.COMPLETE
+        return kind in ACQUIRING_KINDS
     return outcome.kind in EXPECTED_OUTCOMES[kind]
 
 
@@ -115,6 +131,19 @@ class Outcome:
     @classmethod
     def failed(cls, reason: str) -> Outcome:
         return cls(OutcomeKind.FAILED, reason)
+
+
+# The outcomes a handler returns, ready-made; FAILED is ``failed(reason)``.
+SUBMITTED = Outcome(OutcomeKind.SUBMITTED)  # SubmitPrefill: the prefill is running
+ACCEPTED = Outcome(OutcomeKind.ACCEPTED)  # ReserveDestination: the reservation is under way
+SCHEDULED = Outcome(OutcomeKind.SCHEDULED)  # StartTransfer: the transfer is under way
+APPLIED = Outcome(OutcomeKind.APPLIED)  # ActivateDestination, or a cleanup that freed something
+NOOP = Outcome(OutcomeKind.NOOP)  # a cleanup that found nothing to free
+
+
+def failed(reason: str) -> Outcome:
+    """FAILED with ``reason`` (for the acquiring actions only: a cleanup may not fail)."""
+    return Outcome.failed(reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +187,17 @@ class Canceled:
     reason: str
 
 
-Fact = SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled
+@dataclass(frozen=True, slots=True)
+class EngineLost:
+    """The engine of ``role`` lost its memory for the handoff (the frontend may report it,
+    say when Kubernetes reports the pod dead); nothing is owed to it any more."""
+
+    role: Role
+
+
+Fact = (
+    SourceHeld | DestinationReserved | TransferCompleted | Failed | TimedOut | Canceled | EngineLost
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +211,7 @@ class Action:
     engine_id: str  # empty in an RPC answer for a COMPLETE sent to both engines
     attempt: int  # delivery attempt on a stream, from 1; 0 in RPC answers
     delay_ms: float = 0.0  # START_TRANSFER only: how long the transfer should take
+    completion: Completion | None = None  # COMPLETE only: how the handoff ended
     traceparent: str = ""  # W3C trace context of the coordinator's span for it, if traced
     tracestate: str = ""
 
@@ -199,6 +239,8 @@ class Handoff:
     started_at: datetime | None
     completed_at: datetime | None
     fallback_transfer_delay_ms: float
+    # Abandoned while cleaning up: outstanding_actions is what was left unacknowledged.
+    abandoned: bool = False
 
     def first(self, kind: LifecycleEventKind) -> datetime | None:
         """When ``kind`` first happened (a reopened handoff completes twice)."""
@@ -211,3 +253,6 @@ class HandoffUpdate:
 
     handoff: Handoff
     actions: tuple[Action, ...]
+    # StartHandoff only: the id was already started with the same parameters
+    # (a retry); ``handoff`` is its current state and ``actions`` is empty.
+    already_started: bool = False

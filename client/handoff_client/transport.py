@@ -29,11 +29,18 @@ TRANSPORT_KINDS: tuple[TransportKind, ...] = ("connect", "unary")
 
 class SidecarTransport(Protocol):
     def subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> AsyncGenerator[Action, None]:
         """Actions for ``engine_id`` until the subscription ends; closing it unsubscribes.
 
-        ``on_subscribed`` is called once the server has registered the subscription.
+        ``on_subscribed`` is called once the server has registered the
+        subscription. ``incarnation`` and ``session_id`` go to the server with
+        it, which fences older incarnations and twin sessions.
         """
         ...
 
@@ -49,9 +56,16 @@ class UnaryTransport:
         self._client = client
 
     def subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> AsyncGenerator[Action, None]:
-        return self._client.stream_actions(engine_id, on_subscribed)
+        return self._client.stream_actions(
+            engine_id, on_subscribed, incarnation=incarnation, session_id=session_id
+        )
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         await self._client.report_fact(handoff_id, fact)

@@ -20,7 +20,7 @@ COMMANDS = {
     "replay": "handoff_server.replay",
     "health": "handoff_server.health",
     "sim": "handoff_client.sim.cli",
-    "demo": "handoff_client.sim.demo",
+    "demo": "handoff_server.demo",
 }
 SERVER_EXTRA = "pip install 'handoff[server]'"
 

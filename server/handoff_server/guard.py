@@ -37,7 +37,6 @@ from handoff_server.metrics import RPCS, Metrics
 from handoff_server.probes import SERVICE as HEALTH_SERVICE
 from handoff_server.quotas import Budget, Quotas
 from handoff_server.security import EngineIdentities, Token, TokenSet
-from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE, reports_of
 
 log = logging.getLogger("handoff.guard")
 
@@ -46,9 +45,6 @@ HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
 # A Connect stream's hello must arrive within this; until it does, the stream
 # is counted server-wide only (its identity's count needs the engine id).
 HELLO_WITHIN_S = 10.0
-# Connect reports read but not yet acknowledged to the peer, per stream: at
-# least one message's worth, so that a full message is never held back alone.
-MAX_UNACKED_REPORTS = MAX_REPORTS_PER_MESSAGE
 
 # grpc's handler objects are untyped at this level: behaviours take and
 # return messages of whichever type the method has.
@@ -392,7 +388,6 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 if ENGINE_ID.fullmatch(first.hello.engine_id):
                     await self._as_engine(rpc, context, held, first.hello.engine_id)
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
-            window = AckWindow(MAX_UNACKED_REPORTS)
             garbled: list[int] = []
 
             async def reports() -> AsyncIterator[Any]:
@@ -406,13 +401,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                         # so what came before is still acknowledged; then refuse.
                         garbled.append(count)
                         return
-                    await window.admit(len(reports_of(request)))
                     yield request
 
             try:
                 async with contextlib.aclosing(inner(reports(), context)) as responses:
                     async for response in responses:
-                        window.acknowledged(len(response.acks) + response.HasField("ack"))
                         yield response
             finally:
                 if engine_id is not None:
@@ -426,27 +419,6 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 )
 
         return stream
-
-
-class AckWindow:
-    """Reports read from one Connect stream whose acknowledgements are not written yet."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.owed = 0
-        self._room = asyncio.Event()
-
-    async def admit(self, reports: int) -> None:
-        """Wait until ``reports`` more fit; a message larger than the window goes alone."""
-        while self.owed and self.owed + reports > self.limit:
-            self._room.clear()
-            await self._room.wait()
-        self.owed += reports
-
-    def acknowledged(self, acks: int) -> None:
-        if acks:
-            self.owed -= acks
-            self._room.set()
 
 
 # The accepted token of the call being handled; set by the interceptor, which

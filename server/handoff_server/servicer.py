@@ -32,7 +32,7 @@ R = TypeVar("R")
 STREAM_BATCH = 256
 # Reports in one Connect message at most: all of a message's reports are
 # answered before any of their acks can be written, so this also bounds what
-# one message can make the server queue. The guard's ack window is as large.
+# one message can make the server queue.
 MAX_REPORTS_PER_MESSAGE = 128
 # Reports of one message handled before the reader lets others run: a turn
 # is then ~0.1 ms, while a yield per report would cost as much as the report.
@@ -327,7 +327,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             async for request in requests:
                 for index, report in enumerate(self._capped_reports(engine_id, request), 1):
                     self._report(report, owed)
-                    if owed.bytes > MAX_OWED_BYTES:
+                    if owed.full:
+                        # The ack window: nothing more is read until the
+                        # writer took what is owed, so a peer that does not
+                        # read its acks is slowed down instead of queued for.
                         ready.set()
                         await owed.written()
                     elif index % REPORTS_PER_TURN == 0:
@@ -387,17 +390,24 @@ class Owed:
     way copied the whole handoff twice per report.
     """
 
-    __slots__ = ("batch", "lean_acks", "bytes", "_messages", "_written")
+    __slots__ = ("batch", "lean_acks", "acks", "bytes", "_messages", "_written")
 
     def __init__(self, *, batch: bool, lean_acks: bool) -> None:
         self.batch = batch
         self.lean_acks = lean_acks
+        self.acks = 0  # queued, not yet taken to be written
         # What the queued acks' answers and error messages weigh, roughly
         # (an ack's own few fields are not counted): bounds the queue in bytes.
         self.bytes = 0
         # Batched: at most one message, collecting every ack until written.
         self._messages: deque[pb.ConnectResponse] = deque()
         self._written = asyncio.Event()
+
+    @property
+    def full(self) -> bool:
+        """The ack window is full: as many acks as one message may ask for, or
+        their weight in bytes, are waiting to be written."""
+        return self.acks >= MAX_REPORTS_PER_MESSAGE or self.bytes > MAX_OWED_BYTES
 
     async def written(self) -> None:
         """Until the acks queued so far have been taken to be written."""
@@ -416,13 +426,14 @@ class Owed:
             ack = message.ack
             ack.SetInParent()
         ack.request_id = request_id
+        self.acks += 1
         return ack
 
     def responses(self, dispatches: list[Dispatch]) -> list[pb.ConnectResponse]:
         """The messages to write now: every ack owed so far, then ``dispatches``."""
         messages = list(self._messages)
         self._messages.clear()
-        self.bytes = 0
+        self.acks = self.bytes = 0
         self._written.set()
         if not dispatches:
             return messages

@@ -22,9 +22,12 @@ from handoff_client.transport import make_transport
 SIM_RECONNECT = Backoff(initial_s=0.02, max_s=0.5)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Node:
-    """One engine, its sidecar, and its connection (flaky when drops are injected)."""
+    """One engine, its sidecar, and its connection (flaky when drops are injected).
+
+    A restart replaces all three: a new process under the same engine id.
+    """
 
     stack: EngineType
     role: Role  # SOURCE: a prefill engine; DESTINATION: a decode engine
@@ -47,47 +50,77 @@ class Cluster:
         rng: random.Random,
     ) -> None:
         self.nodes: list[Node] = []
+        self._client = client
+        self._config = config
+        self._book = book
+        self._on_complete = on_complete
+        self._rng = rng
         faults = config.faults
-        profile = config.engine
         for stack in config.load.stacks:
-            for role, count, blocks in (
-                (Role.SOURCE, config.prefill_engines, profile.prefill_blocks),
-                (Role.DESTINATION, config.decode_engines, profile.decode_blocks),
+            for role, count in (
+                (Role.SOURCE, config.prefill_engines),
+                (Role.DESTINATION, config.decode_engines),
             ):
                 for index in range(count):
                     kind = "prefill" if role is Role.SOURCE else "decode"
-                    engine = SimEngine(
-                        f"{stack.name.lower()}-{kind}-{index}",
-                        KvBlockPool(blocks, profile.block_size),
-                        book,
-                        profile,
-                        rng=random.Random(rng.random()),
-                        on_complete=on_complete,
-                        time_scale=config.time_scale,
-                        failure_rate=faults.action_failure_rate,
-                    )
-                    flaky = None
-                    transport = make_transport(client, config.transport)
-                    if faults.stream_drop_every_s > 0:
-                        transport = flaky = FlakyTransport(
-                            transport,
-                            mean_interval_s=faults.stream_drop_every_s,
-                            blackout_s=faults.blackout_s,
-                            rng=random.Random(rng.random()),
-                        )
-                    sidecar = EngineSidecar(
-                        transport,
-                        engine.engine_id,
-                        engine,
-                        reconnect_backoff=SIM_RECONNECT,
-                        rng=random.Random(rng.random()),
-                    )
+                    engine_id = f"{stack.name.lower()}-{kind}-{index}"
+                    engine, sidecar, flaky = self._process(engine_id, role)
                     self.nodes.append(Node(stack, role, engine, sidecar, flaky))
         self._unroutable: set[str] = set()
+        self._retired: list[SidecarStats] = []  # sidecars of restarted processes
+        self._old_drops = self._old_failures = 0  # of restarted processes
+        self.restarted: list[str] = []
         self.doomed = self._pick_doomed(faults.dead_engines, rng)
         healthy = [n for n in self.nodes if n not in self.doomed]
-        for node in rng.sample(healthy, faults.slow_engines):
+        slow = rng.sample(healthy, faults.slow_engines)
+        for node in slow:
             node.engine.slowdown = faults.slow_factor
+        # Prefill engines restart: a decode's handoffs are mostly complete
+        # (the decode owns them), a prefill's are still under way.
+        prefills = [n for n in healthy if n not in slow and n.role is Role.SOURCE]
+        if faults.restarted_engines > len(prefills):
+            raise ValueError(
+                f"cannot restart {faults.restarted_engines} prefill engines: "
+                f"{len(prefills)} neither die nor are slow"
+            )
+        self.to_restart = rng.sample(prefills, faults.restarted_engines)
+        steady = [n for n in healthy if n not in self.to_restart]
+        self.to_stick = rng.choice(steady) if faults.stuck_handlers and steady else None
+
+    def _process(
+        self, engine_id: str, role: Role
+    ) -> tuple[SimEngine, EngineSidecar, FlakyTransport | None]:
+        """A new engine process: empty memory, a sidecar with a new incarnation."""
+        config, rng = self._config, self._rng
+        faults, profile = config.faults, config.engine
+        blocks = profile.prefill_blocks if role is Role.SOURCE else profile.decode_blocks
+        engine = SimEngine(
+            engine_id,
+            KvBlockPool(blocks, profile.block_size),
+            self._book,
+            profile,
+            rng=random.Random(rng.random()),
+            on_complete=self._on_complete,
+            time_scale=config.time_scale,
+            failure_rate=faults.action_failure_rate,
+        )
+        flaky = None
+        transport = make_transport(self._client, config.transport)
+        if faults.stream_drop_every_s > 0:
+            transport = flaky = FlakyTransport(
+                transport,
+                mean_interval_s=faults.stream_drop_every_s,
+                blackout_s=faults.blackout_s,
+                rng=random.Random(rng.random()),
+            )
+        sidecar = EngineSidecar(
+            transport,
+            engine.engine_id,
+            engine,
+            reconnect_backoff=SIM_RECONNECT,
+            rng=random.Random(rng.random()),
+        )
+        return engine, sidecar, flaky
 
     def _pick_doomed(self, count: int, rng: random.Random) -> list[Node]:
         """Engines that will die, chosen so every stack keeps one engine of each role."""
@@ -119,6 +152,38 @@ class Cluster:
         await asyncio.sleep(detection_s)
         self._unroutable.add(node.engine_id)
 
+    async def restart(self, node: Node) -> None:
+        """``node``'s process dies and comes back at once under the same engine id.
+
+        Its memory is gone with it: the blocks it held vanish (nothing to
+        leak), and the new sidecar subscribes with a new incarnation, which
+        tells the server that the old one is lost.
+        """
+        node.engine.kill()
+        await node.sidecar.stop(grace_s=0)
+        self._retired.append(node.sidecar.stats)
+        if node.transport is not None:
+            self._old_drops += node.transport.drops
+        self._old_failures += node.engine.injected_failures
+        node.engine, node.sidecar, node.transport = self._process(node.engine_id, node.role)
+        self.restarted.append(node.engine_id)
+        node.sidecar.start()
+        await node.sidecar.wait_subscribed()
+
+    def stick(self) -> None:
+        """Hang the next few prefills or reservations of the engine chosen for it."""
+        if self.to_stick is not None:
+            self.to_stick.engine.hang(self._config.faults.stuck_handlers)
+
+    def unstick(self) -> None:
+        """The run is over: hung handlers return, and the cancels waiting for them run."""
+        for node in self.nodes:
+            node.engine.unstick()
+
+    @property
+    def stuck_handoffs(self) -> frozenset[str]:
+        return frozenset(h for node in self.nodes for h in node.engine.stuck)
+
     def routable(self, stack: EngineType, role: Role) -> list[Node]:
         """The engines the router believes alive, for one stack and role."""
         return [
@@ -132,15 +197,16 @@ class Cluster:
         return frozenset(n.engine_id for n in self.nodes if n.engine.dead)
 
     def sidecar_totals(self) -> SidecarStats:
-        stats = [n.sidecar.stats for n in self.nodes]
+        stats = [n.sidecar.stats for n in self.nodes] + self._retired
         return SidecarStats(
             *(sum(getattr(s, f) for s in stats) for f in SidecarStats.__dataclass_fields__)
         )
 
     @property
     def stream_drops(self) -> int:
-        return sum(n.transport.drops for n in self.nodes if n.transport is not None)
+        live = sum(n.transport.drops for n in self.nodes if n.transport is not None)
+        return live + self._old_drops
 
     @property
     def injected_failures(self) -> int:
-        return sum(n.engine.injected_failures for n in self.nodes)
+        return sum(n.engine.injected_failures for n in self.nodes) + self._old_failures

@@ -53,6 +53,15 @@ class FaultProfile:
     dead_detection_s: float = 1.0
     slow_engines: int = 0  # engines that are this much slower:
     slow_factor: float = 4.0
+    # Engines whose process restarts under the same id: its memory (and every
+    # block it held) is gone, and its sidecar comes back with a new incarnation.
+    restarted_engines: int = 0
+    restart_at_fraction: float = 0.5
+    # Prefill or reserve handlers of one engine that hang, holding their
+    # blocks, until the run is over; the cleanup of every other handoff
+    # must still flow.
+    stuck_handlers: int = 0
+    stuck_at_fraction: float = 0.2
 
     @classmethod
     def demo(cls) -> FaultProfile:
@@ -62,6 +71,8 @@ class FaultProfile:
             stream_drop_every_s=6.0,
             dead_engines=1,
             slow_engines=1,
+            restarted_engines=1,
+            stuck_handlers=3,
         )
 
 
@@ -92,10 +103,16 @@ class SimConfig:
                 raise ValueError(f"{name} must be within [0, 1]")
         if not 0 <= faults.action_failure_rate <= 1:
             raise ValueError("action_failure_rate must be within [0, 1]")
-        if faults.dead_engines and load.duration_s <= 0 and load.rate <= 0:
-            raise ValueError("engines can only die at a point in time: give a duration or a rate")
-        if faults.dead_engines + faults.slow_engines > self.engine_count:
-            raise ValueError("more dead and slow engines than engines")
+        timed = faults.dead_engines or faults.restarted_engines or faults.stuck_handlers
+        if timed and load.duration_s <= 0 and load.rate <= 0:
+            raise ValueError(
+                "engines die, restart or hang at a point in time: give a duration or a rate"
+            )
+        if faults.restarted_engines < 0 or faults.stuck_handlers < 0:
+            raise ValueError("restarted_engines and stuck_handlers must be >= 0")
+        faulty = faults.dead_engines + faults.slow_engines + faults.restarted_engines
+        if faulty + (1 if faults.stuck_handlers else 0) > self.engine_count:
+            raise ValueError("more dead, slow, restarted and stuck engines than engines")
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         if self.transport not in TRANSPORT_KINDS:

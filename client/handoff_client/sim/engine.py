@@ -16,19 +16,13 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from handoff_client.errors import HandoffRpcError
-from handoff_client.model import Action, Outcome, OutcomeKind
+from handoff_client.model import ACCEPTED, APPLIED, NOOP, SCHEDULED, SUBMITTED, Action, Outcome
 from handoff_client.sidecar import Facts
 from handoff_client.sim.config import EngineProfile
 from handoff_client.sim.pool import KvBlockPool
 from handoff_client.sim.workload import Request, RequestBook
 
 log = logging.getLogger("handoff.sim.engine")
-
-SUBMITTED = Outcome(OutcomeKind.SUBMITTED)
-ACCEPTED = Outcome(OutcomeKind.ACCEPTED)
-SCHEDULED = Outcome(OutcomeKind.SCHEDULED)
-APPLIED = Outcome(OutcomeKind.APPLIED)
-NOOP = Outcome(OutcomeKind.NOOP)
 
 
 class SimEngine:
@@ -65,6 +59,13 @@ class SimEngine:
         self._idle.set()
         self.dead = False
         self.injected_failures = 0
+        # Stuck handlers: how many more to hang, and the handoffs they hang in.
+        self._hang_next = 0
+        self._unstuck = asyncio.Event()
+        self.stuck: set[str] = set()  # every handoff a handler hung in
+        self._stuck_held: set[str] = set()  # ... not freed yet
+        self._stuck_freed = asyncio.Event()
+        self._stuck_freed.set()
 
     # --- source ------------------------------------------------------------------
 
@@ -77,6 +78,7 @@ class SimEngine:
         request = self._book.get(handoff_id)
         if not self.pool.allocate(handoff_id, request.prompt_tokens):
             return Outcome.failed(f"{self.engine_id}: out of KV blocks for the prefill")
+        await self._maybe_hang(handoff_id)
         self._start(handoff_id, self._prefill(handoff_id, request, facts))
         return SUBMITTED
 
@@ -107,6 +109,7 @@ class SimEngine:
         request = self._book.get(handoff_id)
         if not self.pool.allocate(handoff_id, request.prompt_tokens + request.output_tokens):
             return Outcome.failed(f"{self.engine_id}: out of KV blocks for the decode")
+        await self._maybe_hang(handoff_id)
         self._start(handoff_id, self._reserved(handoff_id, request, facts))
         return ACCEPTED
 
@@ -138,6 +141,28 @@ class SimEngine:
         """Until no prefill, transfer or decode is running."""
         await self._idle.wait()
 
+    def hang(self, handlers: int) -> None:
+        """Make the next ``handlers`` prefills or reservations hang, holding their
+        blocks, until :meth:`unstick`."""
+        self._hang_next += handlers
+
+    def unstick(self) -> None:
+        """The hung handlers return (the run is over); their cancels can run now."""
+        self._unstuck.set()
+
+    async def wait_stuck_freed(self) -> None:
+        """Until every handoff a handler hung in has been freed by its cancel."""
+        await self._stuck_freed.wait()
+
+    async def _maybe_hang(self, handoff_id: str) -> None:
+        if self._hang_next <= 0:
+            return
+        self._hang_next -= 1
+        self.stuck.add(handoff_id)
+        self._stuck_held.add(handoff_id)
+        self._stuck_freed.clear()
+        await self._unstuck.wait()
+
     # --- internals -----------------------------------------------------------------
 
     def _seconds(self, ms: float) -> float:
@@ -157,6 +182,10 @@ class SimEngine:
 
     def _free(self, handoff_id: str) -> Outcome:
         self._closed.add(handoff_id)
+        if handoff_id in self._stuck_held:
+            self._stuck_held.discard(handoff_id)
+            if not self._stuck_held:
+                self._stuck_freed.set()
         for task in self._work.pop(handoff_id, set()):
             task.cancel()
         if not self._work:

@@ -38,9 +38,18 @@ class FlakyTransport:
         self.drops = 0
 
     def subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> AsyncGenerator[Action, None]:
-        return self._subscribe(engine_id, on_subscribed)
+        self._check_up()
+        inner = self._inner.subscribe(
+            engine_id, on_subscribed, incarnation=incarnation, session_id=session_id
+        )
+        return self._subscribe(inner)
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         self._check_up()
@@ -55,12 +64,10 @@ class FlakyTransport:
             raise UnavailableError("injected fault: connection down")
 
     async def _subscribe(
-        self, engine_id: str, on_subscribed: Callable[[], None]
+        self, actions: AsyncGenerator[Action, None]
     ) -> AsyncGenerator[Action, None]:
-        self._check_up()
         loop = asyncio.get_running_loop()
         drop_at = loop.time() + self._rng.expovariate(1.0 / self._mean_interval_s)
-        actions = self._inner.subscribe(engine_id, on_subscribed)
         try:
             while True:
                 try:

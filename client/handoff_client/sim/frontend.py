@@ -62,7 +62,7 @@ class Journey:
     destination_engine_id: str
     canceled_in_flight: bool  # the frontend canceled it at a random point in its prefill
     canceled_in_decode: bool  # ... or once it succeeded, reopening it
-    final: Handoff | None  # None: the server no longer knows it (abandoned)
+    final: Handoff | None  # None: the server abandoned it
     finished: bool  # False: still not complete when the run ended
 
     @property
@@ -263,12 +263,18 @@ class Frontend:
     async def _until(
         self, handoff_id: str, notice: asyncio.Event, done: Callable[[Handoff], bool]
     ) -> Handoff | None:
-        """The handoff once ``done``; None if the server dropped it (abandoned)."""
+        """The handoff once ``done``; None if the server abandoned it.
+
+        An abandoned handoff is answered with ``abandoned`` set while it is
+        retained, and NOT_FOUND after that (or by a server that keeps none).
+        """
         while True:
             notice.clear()
             try:
                 handoff = await self._client.get_handoff(handoff_id)
             except NotFoundError:
+                return None
+            if handoff.abandoned:
                 return None
             if done(handoff):
                 return handoff

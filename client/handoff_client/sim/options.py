@@ -105,6 +105,19 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
         help="how much slower the slow engines are",
     )
     group.add_argument(
+        "--restarted-engines",
+        type=int,
+        default=faults.restarted_engines,
+        help="engines whose process restarts mid-run under the same id (empty memory, "
+        "new incarnation)",
+    )
+    group.add_argument(
+        "--stuck-handlers",
+        type=int,
+        default=faults.stuck_handlers,
+        help="prefill or reserve handlers of one engine that hang until the run is over",
+    )
+    group.add_argument(
         "--no-faults", action="store_true", help="turn every fault off, whatever else is given"
     )
     parser.add_argument(
@@ -144,6 +157,10 @@ def config_from(args: argparse.Namespace, defaults: SimConfig) -> SimConfig:
         dead_detection_s=defaults.faults.dead_detection_s,
         slow_engines=args.slow_engines,
         slow_factor=args.slow_factor,
+        restarted_engines=args.restarted_engines,
+        restart_at_fraction=defaults.faults.restart_at_fraction,
+        stuck_handlers=args.stuck_handlers,
+        stuck_at_fraction=defaults.faults.stuck_at_fraction,
     )
     return replace(
         defaults,

@@ -11,6 +11,7 @@ from handoff_client.sim.scrape import ServerMetrics
 
 KEY_WIDTH = 20
 SHOWN_PROBLEMS = 5
+LOST_CAUSES = ("restarted", "unreachable")  # handoff_engines_lost_total{cause}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -44,7 +45,12 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
             f"{c.canceled} (by the client {by_client}, during decode {in_decode}, "
             f"after a fault {len(canceled) - by_client - in_decode})",
         ),
-        ("abandoned", f"{leaks.abandoned_with_dead_engine} (cleanup owed by a dead engine)"),
+        (
+            "abandoned",
+            f"{leaks.abandoned_with_dead_engine + leaks.abandoned_with_stuck_handler} "
+            f"(cleanup owed by a dead engine {leaks.abandoned_with_dead_engine}, "
+            f"waiting for a stuck handler {leaks.abandoned_with_stuck_handler})",
+        ),
         ("refused", f"{c.refused} (StartHandoff refused)"),
         ("stuck", str(len(leaks.stuck) + len(leaks.lost))),
         ("leaked", f"{leaks.leaked_blocks} blocks ({leaks.pools_checked} live engines checked)"),
@@ -68,13 +74,22 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
             "faults",
             f"{result.injected_failures} failed actions, {result.stream_drops} connection "
             f"drops, killed: {', '.join(result.killed) or 'none'}, "
-            f"slow: {', '.join(result.slow) or 'none'}",
+            f"slow: {', '.join(result.slow) or 'none'}, "
+            f"restarted: {', '.join(result.restarted) or 'none'}, "
+            f"stuck handlers: {result.stuck_handlers}"
+            + (f" on {result.stuck_engine}" if result.stuck_handlers else ""),
         ),
         (
             "sidecars",
             f"{s.handlers_run} handlers run, {s.answered_from_cache} redeliveries answered "
             f"from cache, {s.ignored_while_running} while running, {s.reconnects} reconnects, "
             f"{s.report_retries} report retries",
+        ),
+        (
+            "sidecar cleanup",
+            f"{s.answered_closed} actions for a canceled side answered unrun, "
+            f"{s.freed_on_complete} freed on a COMPLETE notice, "
+            f"{s.unknown_actions} unknown actions skipped",
         ),
     ]
     lines = ["", "summary"] + [f"{key:>{KEY_WIDTH}}: {value}" for key, value in rows]
@@ -96,13 +111,18 @@ def _server_rows(metrics: ServerMetrics | str) -> list[str]:
         ("reopened", metrics.total("handoff_reopened_total")),
         ("timed out", metrics.total("handoff_timed_out_total")),
         ("abandoned", metrics.total("handoff_abandoned_total")),
-        ("engine unreachable", metrics.total("handoff_engine_unreachable_total")),
         ("redeliveries", metrics.total("handoff_redeliveries_total")),
         ("active now", phases.get("active", 0.0)),
         ("cleaning up now", phases.get("cleaning_up", 0.0)),
         ("facts from server", metrics.by_label("handoff_facts_total", "origin").get("server", 0.0)),
     ]
     lines = [f"{key:>{KEY_WIDTH}}: {value:.0f}" for key, value in rows]
+    lost = metrics.by_label("handoff_engines_lost_total", "cause")
+    lines.append(
+        f"{'engines lost':>{KEY_WIDTH}}: "
+        + ", ".join(f"{cause} {lost.get(cause, 0.0):.0f}" for cause in LOST_CAUSES)
+        + " (EngineLost reported by the server, by cause)"
+    )
     shown = ", ".join(f"{code} {n:.0f}" for code, n in sorted(rejections.items()) if n)
     lines.append(f"{'rejections':>{KEY_WIDTH}}: {shown or '0'}")
     return lines

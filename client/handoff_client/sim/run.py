@@ -31,6 +31,9 @@ class SimResult:
     injected_failures: int
     killed: tuple[str, ...]
     slow: tuple[str, ...]
+    restarted: tuple[str, ...] = ()
+    stuck_handlers: int = 0  # handlers that hung until the run was over
+    stuck_engine: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -67,7 +70,11 @@ async def simulate(
             f"the engines could not subscribe within {SUBSCRIBE_TIMEOUT_S:.0f} s"
         ) from None
     began = loop.time()
-    background = [asyncio.create_task(_kill_doomed(cluster, config))]
+    background = [
+        asyncio.create_task(_kill_doomed(cluster, config)),
+        asyncio.create_task(_restart(cluster, config)),
+        asyncio.create_task(_stick(cluster, config)),
+    ]
     if progress is not None:
         background.append(asyncio.create_task(progress.run()))
     try:
@@ -95,16 +102,38 @@ async def simulate(
         injected_failures=cluster.injected_failures,
         killed=tuple(sorted(cluster.dead_engine_ids)),
         slow=tuple(n.engine_id for n in cluster.nodes if n.engine.slowdown != 1.0),
+        restarted=tuple(cluster.restarted),
+        stuck_handlers=len(cluster.stuck_handoffs),
+        stuck_engine=cluster.to_stick.engine_id if cluster.to_stick else None,
     )
+
+
+def _at(config: SimConfig, fraction: float) -> float:
+    """Seconds into the load at ``fraction`` of it."""
+    load = config.load
+    # Count-bounded runs have no duration; estimate it from the rate.
+    duration_s = load.duration_s if load.duration_s > 0 else load.max_handoffs / load.rate
+    return fraction * duration_s
 
 
 async def _kill_doomed(cluster: Cluster, config: SimConfig) -> None:
     if not cluster.doomed:
         return
-    load = config.load
-    # Count-bounded runs have no duration; estimate it from the rate.
-    duration_s = load.duration_s if load.duration_s > 0 else load.max_handoffs / load.rate
-    await asyncio.sleep(config.faults.dead_at_fraction * duration_s)
+    await asyncio.sleep(_at(config, config.faults.dead_at_fraction))
     await asyncio.gather(
         *(cluster.kill(node, config.faults.dead_detection_s) for node in cluster.doomed)
     )
+
+
+async def _restart(cluster: Cluster, config: SimConfig) -> None:
+    if not cluster.to_restart:
+        return
+    await asyncio.sleep(_at(config, config.faults.restart_at_fraction))
+    await asyncio.gather(*(cluster.restart(node) for node in cluster.to_restart))
+
+
+async def _stick(cluster: Cluster, config: SimConfig) -> None:
+    if cluster.to_stick is None:
+        return
+    await asyncio.sleep(_at(config, config.faults.stuck_at_fraction))
+    cluster.stick()

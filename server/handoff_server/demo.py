@@ -41,7 +41,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=(
             "Start a real coordinator on a free loopback port (with its metrics endpoint), "
             "run simulated vllm, sglang and trtllm engines against it with every fault on "
-            "(failed actions, connection drops, a slow engine, an engine that dies), show "
+            "(failed actions, connection drops, a slow engine, an engine that dies, an engine "
+            "that restarts under the same id, handlers that hang), show "
             "live progress, and end with a summary: counts by completion, latency, "
             "throughput, leaks and the server's own counters. Exits 0 only if nothing "
             "leaked and every handoff finished."
