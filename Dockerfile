@@ -18,7 +18,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY server ./server
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[server]"
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[server,otel]"
 
 # ---- runtime: installs those wheels offline; no compilers, no build tools ---
 FROM ${PYTHON_IMAGE}
@@ -35,7 +35,7 @@ RUN groupadd --system --gid 10001 handoff \
        --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin handoff
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/handoff \
-    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "handoff[server]" \
+    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "handoff[server,otel]" \
     && install --directory --owner=10001 --group=10001 --mode=0700 /var/lib/handoff
 WORKDIR /opt/handoff
 # Numeric, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.

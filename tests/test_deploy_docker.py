@@ -88,6 +88,10 @@ def test_the_image_is_built_as_the_issue_asks() -> None:
     install = [i for i in final if "pip install" in i]
     assert install
     assert all("--no-index" in i for i in install), "the final stage installs offline"
+    # The otel extra, so that HANDOFF_OTLP_ENDPOINT in the ConfigMap works as is;
+    # the install test below builds and installs the same extras.
+    assert any('".[server,otel]"' in i for i in build)
+    assert all('"handoff[server,otel]"' in i for i in install)
     assert not any(re.search(r"apt-get|gcc|build-essential", i) for i in final)
     assert "ENV" in {i.split()[0] for i in final}
     assert "PYTHONUNBUFFERED=1" in text
@@ -216,12 +220,15 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
     context, wheels, venv = tmp_path / "context", tmp_path / "wheels", tmp_path / "venv"
     build_context(context)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    # Build stage: RUN pip wheel --wheel-dir /wheels ".[server]"
+    # Build stage: RUN pip wheel --wheel-dir /wheels ".[server,otel]"
     subprocess.run(
-        [*pip, "wheel", "--wheel-dir", str(wheels), f"{context}[server]"], check=True, timeout=180
+        [*pip, "wheel", "--wheel-dir", str(wheels), f"{context}[server,otel]"],
+        check=True,
+        timeout=180,
     )
     assert len(list(wheels.glob("handoff-*.whl"))) == 1
-    # Final stage: python -m venv; pip install --no-index --find-links=/wheels "handoff[server]"
+    # Final stage: python -m venv;
+    # pip install --no-index --find-links=/wheels "handoff[server,otel]"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run(
@@ -233,7 +240,7 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
             "--no-index",
             "--find-links",
             str(wheels),
-            "handoff[server]",
+            "handoff[server,otel]",
         ],
         check=True,
         timeout=180,

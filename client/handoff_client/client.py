@@ -22,6 +22,7 @@ import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_client import tracing
 from handoff_client.convert import (
     action_from_pb,
     actions_from_pb,
@@ -166,8 +167,14 @@ class HandoffClient:
             transfer_executor=pb.Role.Value("ROLE_" + transfer_executor.name),
             timeout_s=handoff_timeout_s,  # None leaves it absent: the server default
         )
+        # The caller's trace continues in the coordinator (with the otel extra).
+        metadata = self._metadata + tracing.current_context_metadata()
         response = await self._call(
-            self._stub.StartHandoff, request, timeout_s, retry=RETRY_UNAVAILABLE_OR_DEADLINE
+            self._stub.StartHandoff,
+            request,
+            timeout_s,
+            retry=RETRY_UNAVAILABLE_OR_DEADLINE,
+            metadata=metadata,
         )
         return HandoffUpdate(
             handoff_from_pb(response.handoff),
@@ -266,6 +273,7 @@ class HandoffClient:
         timeout_s: float | None,
         *,
         retry: frozenset[grpc.StatusCode],
+        metadata: tuple[tuple[str, str], ...] | None = None,
     ) -> Response:
         loop = asyncio.get_running_loop()
         budget = self.timeout_s if timeout_s is None else timeout_s
@@ -277,7 +285,9 @@ class HandoffClient:
                 deadline = loop.time() + budget
             try:
                 return await method(
-                    request, timeout=deadline - loop.time(), metadata=self._metadata
+                    request,
+                    timeout=deadline - loop.time(),
+                    metadata=self._metadata if metadata is None else metadata,
                 )
             except grpc.aio.AioRpcError as error:
                 failures += 1

@@ -55,6 +55,8 @@ def action_from_pb(message: pb.Action) -> Action:
         attempt=message.attempt,
         delay_ms=message.delay_ms,
         completion=Completion(message.completion) if message.completion in _COMPLETIONS else None,
+        traceparent=message.traceparent,
+        tracestate=message.tracestate,
     )
 
 

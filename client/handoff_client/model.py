@@ -212,6 +212,8 @@ class Action:
     attempt: int  # delivery attempt on a stream, from 1; 0 in RPC answers
     delay_ms: float = 0.0  # START_TRANSFER only: how long the transfer should take
     completion: Completion | None = None  # COMPLETE only: how the handoff ended
+    traceparent: str = ""  # W3C trace context of the coordinator's span for it, if traced
+    tracestate: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, Self
 
+from handoff_client import tracing
 from handoff_client.cache import OutcomeCache
 from handoff_client.client import HandoffClient
 from handoff_client.errors import (
@@ -602,7 +603,8 @@ class EngineSidecar:
             return self._unimplemented_outcome(action)
         self._handled += 1
         try:
-            outcome = await handler(action, self.facts)
+            with tracing.handler_span(action):
+                outcome = await handler(action, self.facts)
         except Exception as error:  # an engine bug must not wedge the handoff
             self._handler_errors += 1
             log.exception("%s handler raised", action.kind.name, extra=self._log_extra(action))
@@ -659,7 +661,8 @@ class EngineSidecar:
                 await self._free(action, role, side, "the handoff completed while it still held")
         async with self._cleanup_slots:
             try:
-                await self._engine.complete(action)
+                with tracing.handler_span(action):
+                    await self._engine.complete(action)
             except Exception:
                 self._handler_errors += 1
                 log.exception("COMPLETE handler raised", extra=self._log_extra(action))

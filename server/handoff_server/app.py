@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import security
+from handoff_server import security, tracing
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EngineStreams, Guard, grpc_options
@@ -43,7 +43,12 @@ class WallClock:
 
 
 class Server:
-    def __init__(self, settings: Settings, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Clock | None = None,
+        tracer: tracing.Tracer | None = None,
+    ) -> None:
         self.settings = settings
         self.clock = clock if clock is not None else WallClock()
         # With a journal, the registry's clock reads each record's time while
@@ -51,8 +56,17 @@ class Server:
         self._replay_clock = ReplayClock(self.clock) if settings.state_dir else None
         self.metrics = Metrics()
         self._timer_wakeup = asyncio.Event()
+        # A tracer given (a test's) is its giver's to shut down; one made here is ours.
+        self._own_tracer = tracer is None
+        self.tracer = (
+            tracer if tracer is not None else tracing.from_settings(settings.otlp_endpoint)
+        )
         self.registry = Registry(
-            settings, self.metrics, self._replay_clock or self.clock, self._timer_wakeup.set
+            settings,
+            self.metrics,
+            self._replay_clock or self.clock,
+            self._timer_wakeup.set,
+            self.tracer,
         )
         self.journal: Journal | None = None
         self.recovery: Recovery | None = None
@@ -331,4 +345,7 @@ class Server:
             await self._metrics_endpoint.stop()
         if self.journal is not None:
             await self.journal.close()
+        if self.tracer.on and self._own_tracer:
+            # Exports the spans still buffered: blocking, so off the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
         log.info("stopped")

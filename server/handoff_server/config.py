@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -51,6 +52,11 @@ class Settings:
     )
     drain_grace_s: float = _setting(
         20.0, "on SIGTERM, wait this long for active handoffs before canceling them"
+    )
+    otlp_endpoint: str = _setting(
+        "",
+        "export traces over OTLP/gRPC to this collector (http://host:4317); empty: tracing "
+        "off, unless OTEL_EXPORTER_OTLP_ENDPOINT is set. Other OTEL_* variables apply",
     )
     log_format: str = _setting("text", "log format", choices=("text", "json"))
     log_level: str = _setting("info", "log level", choices=("debug", "info", "warning", "error"))
@@ -177,6 +183,10 @@ class Settings:
                 raise ValueError(
                     f"{name} must be -1 (off), 0 (any free port) to {MAX_PORT}, got {port}"
                 )
+        if self.otlp_endpoint and importlib.util.find_spec("opentelemetry.sdk") is None:
+            raise ValueError(
+                "otlp_endpoint needs OpenTelemetry: pip install 'handoff[server,otel]'"
+            )
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

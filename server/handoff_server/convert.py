@@ -250,6 +250,8 @@ def action(dispatch: Dispatch) -> pb.Action:
         message.delay_ms = dispatch.action.delay_ms
     if dispatch.action.completion is not None:
         message.completion = COMPLETIONS[dispatch.action.completion]
+    if dispatch.trace is not None:
+        message.traceparent, message.tracestate = dispatch.trace
     return message
 
 

@@ -14,7 +14,7 @@ stream is live.
 Synchronous and clock-injected like the registry, which owns the handoff
 table and calls in here; timers are the registry's (it dispatches every
 kind in one place) and it asks this module whether an engine's timer still
-matters. (About 430 lines: one engine channel's rules, fencing included,
+matters. (About 450 lines: one engine channel's rules, fencing included,
 read best in one place.)
 """
 
@@ -85,6 +85,7 @@ class Dispatch:
     engine_id: str
     attempt: int = 0
     sequence: int = 0
+    trace: tuple[str, str] | None = None  # the action span's traceparent and tracestate
 
 
 class Subscription:
@@ -163,6 +164,8 @@ class Delivery:
         self._channels: dict[str, EngineChannel] = {}
         self._epochs = itertools.count()
         self._sequence = itertools.count(1)
+        # Told of each unacknowledged action that goes out again (tracing).
+        self.on_redelivered: Callable[[Dispatch], None] | None = None
 
     def __len__(self) -> int:
         """Engines remembered: live, or offline with something hanging on them."""
@@ -225,7 +228,7 @@ class Delivery:
         # acknowledged goes out again, before anything issued after it.
         again = [d for key, d in channel.unacked.items() if d.attempt and key not in channel.queue]
         for dispatch in again:
-            self.metrics.redeliveries_by[dispatch.action.kind].inc()
+            self._redelivered(dispatch)
         channel.requeue(again)
         if channel.queue:
             on_ready()
@@ -268,6 +271,7 @@ class Delivery:
                 dispatch.engine_id,
                 dispatch.attempt + 1,
                 dispatch.sequence,
+                dispatch.trace,
             )
             if dispatch.action.kind is not ActionKind.COMPLETE:
                 channel.unacked[key] = dispatch
@@ -316,10 +320,17 @@ class Delivery:
             and now - channel.offline_since >= self.settings.delivery_timeout_s
         )
 
-    def send(self, handoff_id: str, action: Action, role: Role, engines: Iterable[str]) -> None:
+    def send(
+        self,
+        handoff_id: str,
+        action: Action,
+        role: Role,
+        engines: Iterable[str],
+        trace: tuple[str, str] | None = None,
+    ) -> None:
         for engine_id in engines:
             channel = self._channel(engine_id)
-            dispatch = Dispatch(handoff_id, action, role, engine_id, 0, next(self._sequence))
+            dispatch = Dispatch(handoff_id, action, role, engine_id, 0, next(self._sequence), trace)
             key = (handoff_id, action.id)
             channel.queue[key] = dispatch
             if action.kind is not ActionKind.COMPLETE:
@@ -372,8 +383,26 @@ class Delivery:
             if channel is None or dispatch is None or not dispatch.attempt or key in channel.queue:
                 continue
             channel.requeue((dispatch,))
-            self.metrics.redeliveries_by[dispatch.action.kind].inc()
+            self._redelivered(dispatch)
             channel.notify()
+
+    def attempts(self, handoff_id: str, action_id: int, engines: Iterable[str]) -> int:
+        """How many times an unacknowledged action was written to its engines' streams, at most."""
+        key = (handoff_id, action_id)
+        return max(
+            (
+                dispatch.attempt
+                for engine_id in engines
+                if (channel := self._channels.get(engine_id)) is not None
+                and (dispatch := channel.unacked.get(key)) is not None
+            ),
+            default=0,
+        )
+
+    def _redelivered(self, dispatch: Dispatch) -> None:
+        self.metrics.redeliveries_by[dispatch.action.kind].inc()
+        if self.on_redelivered is not None:
+            self.on_redelivered(dispatch)
 
     # --- time ---------------------------------------------------------------
 

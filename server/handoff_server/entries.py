@@ -63,6 +63,7 @@ class Entry:
         "held_at",
         "cleanup_epoch",
         "redelivery_round",
+        "trace",
     )
 
     def __init__(
@@ -92,6 +93,7 @@ class Entry:
         # handoff under the same id (evicted or expired, then reused).
         self.cleanup_epoch = 0
         self.redelivery_round = 0
+        self.trace: object = None  # tracing.HandoffTrace when tracing is on
 
     @property
     def handoff_id(self) -> str:
@@ -132,7 +134,14 @@ class Retained:
     call that reaches it runs on an unpacked Entry (see unpack).
     """
 
-    __slots__ = ("core", "source_engine_id", "destination_engine_id", "transfer_executor", "_times")
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "trace",
+        "_times",
+    )
 
     # Nothing is outstanding once complete; read by security.authorize_report.
     routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
@@ -144,6 +153,7 @@ class Retained:
         self.source_engine_id = entry.source_engine_id
         self.destination_engine_id = entry.destination_engine_id
         self.transfer_executor = entry.transfer_executor
+        self.trace = entry.trace
         times = (
             entry.started_at,
             entry.deadline,
@@ -194,4 +204,5 @@ class Retained:
         )
         entry.completed_at = self.completed_at
         entry.lifecycle_at = self.lifecycle_at
+        entry.trace = self.trace
         return entry

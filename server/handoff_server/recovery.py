@@ -213,6 +213,9 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
     ready: set[str] = set()
     records = skipped = 0
     incarnations = journal.engine_incarnations()
+    tracer = registry.tracer
+    if tracer.on:
+        tracer.replaying = True  # history is not news to the trace collector either
 
     def stand_in(engine_id: str) -> None:
         # Under the engine's last incarnation: the engine that comes back
@@ -253,6 +256,8 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
             while ready:
                 delivery.take(streams[ready.pop()], TAKE_ALL)
         clock.resume()
+        if tracer.on:
+            tracer.replaying = False
         for stream in streams.values():
             delivery.take(stream, TAKE_ALL)
             delivery.unsubscribe(stream)

@@ -61,6 +61,7 @@ from handoff_server.model import (
 )
 from handoff_server.retention import Retention
 from handoff_server.timers import Timer, TimerHeap, TimerKind
+from handoff_server.tracing import OFF, Tracer
 
 log = logging.getLogger("handoff.registry")
 
@@ -111,8 +112,10 @@ class Registry:
         metrics: Metrics,
         clock: Clock,
         on_earlier_timer: Callable[[], None] = lambda: None,
+        tracer: Tracer = OFF,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer
         self.metrics = metrics
         self.clock = clock
         self._on_earlier_timer = on_earlier_timer
@@ -134,6 +137,8 @@ class Registry:
         self.draining = False
         self.recorder: Recorder | None = None
         self.retention.on_forget = self._forgotten
+        if tracer.on:
+            self.delivery.on_redelivered = self._redelivered
 
     # --- queries ------------------------------------------------------------
 
@@ -208,11 +213,17 @@ class Registry:
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, TimerKind.DEADLINE, request.handoff_id, entry.deadline)
         self._engage(entry, now)
+        if self.tracer.on:
+            # From the journal too: a recovered handoff keeps its caller's trace.
+            ctx = dict(request.trace_context)
+            self.tracer.started(entry, ctx.get("traceparent", ""), ctx.get("tracestate", ""), now)
         return CallResult(entry, self._call(entry, request, Handoff.start, now=now))
 
     def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
         entry = self._unpacked(handoff_id)
-        dispatches = self._call(entry, fact, lambda core: core.apply_fact(fact))
+        dispatches = self._call(
+            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, origin)
+        )
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], origin)].inc()
         if isinstance(fact, EngineLost):
             self._forsake(entry, ROLE_OF_SIDE[fact.role])
@@ -335,6 +346,7 @@ class Registry:
         call: Callable[[Handoff], tuple[Action, ...]],
         acknowledged: tuple[int, Outcome] | None = None,
         now: float | None = None,
+        fact: tuple[Fact, str] | None = None,
     ) -> tuple[Dispatch, ...]:
         core = entry.core
         checkpoint = core.checkpoint()
@@ -361,6 +373,8 @@ class Registry:
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         self._stamp_lifecycle(entry, events_before, now)
+        if self.tracer.on:
+            self.tracer.called(entry, fact, phase_before, completion_before, now)
         dispatches = tuple(self._route(entry, action, now) for action in actions)
         self._after_transition(entry, phase_before, completion_before, now)
         self._follow_up()
@@ -380,7 +394,12 @@ class Registry:
     def _acknowledge(self, entry: Entry, action_id: int, outcome: Outcome, now: float) -> None:
         issued_at, kind, engines = entry.routed.pop(action_id)
         self.metrics.outcomes_by[outcome.kind].inc()
-        self.metrics.latency_by[kind].observe(now - issued_at)
+        if self.tracer.on:
+            attempts = self.delivery.attempts(entry.handoff_id, action_id, engines)
+            self.tracer.outcome(entry, action_id, outcome, attempts, now)
+            self.metrics.latency_by[kind].observe(now - issued_at, self.tracer.exemplar(entry))
+        else:
+            self.metrics.latency_by[kind].observe(now - issued_at)
         if (
             kind in (ActionKind.RELEASE_SOURCE, ActionKind.CANCEL_SOURCE)
             and outcome.kind is not OutcomeKind.FAILED
@@ -408,6 +427,7 @@ class Registry:
             self._schedule(entry.deadline, TimerKind.DEADLINE, entry.handoff_id, entry.deadline)
         if action.kind is not ActionKind.COMPLETE:
             entry.routed[action.id] = Routed(now, action.kind, engines)
+        trace = self.tracer.issued(entry, action, engines, now) if self.tracer.on else None
         if (
             action.kind in CLEANUP_KINDS
             and entry.completed_at is None  # a success being reopened reached both sides
@@ -415,9 +435,10 @@ class Registry:
         ):
             self._settle(entry, action, role, engines[0])
         else:
-            self.delivery.send(entry.handoff_id, action, role, engines)
+            self.delivery.send(entry.handoff_id, action, role, engines, trace)
         # In a call's answer, a notice to both engines names neither.
-        return Dispatch(entry.handoff_id, action, role, engines[0] if len(engines) == 1 else "")
+        engine_id = engines[0] if len(engines) == 1 else ""
+        return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace)
 
     def _settle(self, entry: Entry, action: Action, role: Role, engine_id: str) -> None:
         """A cleanup action for a side none of whose actions reached its engine:
@@ -483,7 +504,12 @@ class Registry:
             assert completion is not None
             entry.completed_at = now
             self.metrics.completed_by[completion].inc()
-            self.metrics.duration_by[completion].observe(now - entry.started_at)
+            if self.tracer.on:
+                self.tracer.completed(entry, completion, now)
+                duration = now - entry.started_at
+                self.metrics.duration_by[completion].observe(duration, self.tracer.exemplar(entry))
+            else:
+                self.metrics.duration_by[completion].observe(now - entry.started_at)
             # The core forgot its journal: nothing is outstanding any more.
             self._drop_routed(entry)
             self.retention.keep(Retained(entry))
@@ -494,7 +520,7 @@ class Registry:
 
     def _server_fact(self, entry: Entry, fact: Fact) -> None:
         """A fact the server observed itself: a deadline, a lost engine, shutdown."""
-        self._call(entry, fact, lambda core: core.apply_fact(fact))
+        self._call(entry, fact, lambda core: core.apply_fact(fact), fact=(fact, "server"))
         self.metrics.facts_by[(FACT_KIND[type(fact).__name__], "server")].inc()
         if isinstance(fact, EngineLost):
             self._forsake(entry, ROLE_OF_SIDE[fact.role])
@@ -573,6 +599,12 @@ class Registry:
             (entry.cleanup_epoch, entry.redelivery_round),
         )
 
+    def _redelivered(self, dispatch: Dispatch) -> None:
+        """An unacknowledged action goes out again (set on Delivery when tracing)."""
+        entry = self.handoffs.get(dispatch.handoff_id)
+        if entry is not None and self.tracer.on:
+            self.tracer.redelivered(entry, dispatch)
+
     def _abandon(self, entry: Entry, now: float) -> None:
         left = [
             f"{kind.value}#{action_id} to {engine_id}"
@@ -588,6 +620,8 @@ class Registry:
             handoff_id=entry.handoff_id,
         )
         self.metrics.abandoned.inc()
+        if self.tracer.on:
+            self.tracer.abandoned(entry, now)
         self.metrics.handoffs_by[entry.core.phase].dec()
         # Kept while retained, so GetHandoff answers what happened; nothing
         # of it is delivered or redelivered any more.

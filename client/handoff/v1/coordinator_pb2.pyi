@@ -577,6 +577,8 @@ class Action(_message.Message):
     ATTEMPT_FIELD_NUMBER: _builtins.int
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     COMPLETION_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """The handoff it belongs to."""
     id: _builtins.int
@@ -596,6 +598,13 @@ class Action(_message.Message):
     something for the handoff frees it on this notice: the source after any
     completion, the destination after CANCELED if it was never activated.
     """
+    traceparent: _builtins.str
+    """W3C trace context of this action's span when the coordinator traces
+    (empty otherwise): run the action in a child span of it to join the
+    handoff's trace.
+    """
+    tracestate: _builtins.str
+    """W3C tracestate the caller started the handoff with; empty when none."""
     def __init__(
         self,
         *,
@@ -607,10 +616,12 @@ class Action(_message.Message):
         attempt: _builtins.int = ...,
         engine_id: _builtins.str = ...,
         completion: Global___Completion.ValueType = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
