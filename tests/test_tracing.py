@@ -93,6 +93,13 @@ class Traced(Harness):
         self.clock.advance(0.1)
         self.pending += self.registry.report_fact(self.handoff_id, fact).actions
 
+    def run_to_success(self, order: Order = Order.SOURCE_FIRST) -> None:
+        """After begin: every action acknowledged and every fact of a success reported."""
+        self.ack_all()
+        for fact in FACTS[order]:
+            self.fact(fact)
+            self.ack_all()
+
     def ack_all(self) -> None:
         """Every issued action gets its expected outcome, 0.1 s apart, until none is left."""
         while self.pending:
@@ -141,10 +148,7 @@ def test_a_success_is_one_handoff_span_with_a_child_per_action_in_issue_order(
     h = Traced()
     started_at = h.clock.now
     h.begin(order)
-    h.ack_all()
-    for fact in FACTS[order]:
-        h.fact(fact)
-        h.ack_all()
+    h.run_to_success(order)
     spans = h.spans()
     handoff = spans.pop("handoff")
     assert _trace_id(handoff) == TRACE_ID
@@ -254,10 +258,7 @@ def test_a_cancel_mid_transfer_cleans_up_both_sides_under_the_handoff_span() -> 
 def test_a_reopened_success_gets_a_second_span_under_the_first() -> None:
     h = Traced()
     h.begin()
-    h.ack_all()
-    for fact in FACTS[Order.SOURCE_FIRST]:
-        h.fact(fact)
-        h.ack_all()
+    h.run_to_success()
     h.clock.advance(2.0)
     h.fact(Failed())  # correction 1: reopens cleanup
     h.ack_all()
@@ -373,10 +374,7 @@ def test_sampling_follows_the_callers_decision() -> None:
     h = Traced()
     h.begin(traceparent=f"00-{TRACE_ID}-{CALLER_SPAN}-00")  # not sampled upstream
     (submit,) = h.pending
-    h.ack_all()
-    for fact in FACTS[Order.SOURCE_FIRST]:
-        h.fact(fact)
-        h.ack_all()
+    h.run_to_success()
     assert h.exporter.get_finished_spans() == ()
     assert isinstance(submit, Dispatch)
     assert submit.trace is not None
@@ -387,10 +385,7 @@ def test_sampling_follows_the_callers_decision() -> None:
 def test_latency_and_duration_histograms_carry_the_trace_id_as_exemplar() -> None:
     h = Traced()
     h.begin()
-    h.ack_all()
-    for fact in FACTS[Order.SOURCE_FIRST]:
-        h.fact(fact)
-        h.ack_all()
+    h.run_to_success()
     exemplars = {
         sample.name: sample.exemplar.labels
         for metric in h.metrics.registry.collect()
@@ -423,10 +418,7 @@ def test_tracing_off_registry_sets_no_trace_on_actions() -> None:
 def test_a_malformed_traceparent_starts_a_trace_of_its_own() -> None:
     h = Traced()
     h.begin(traceparent="00-not-a-trace-01")
-    h.ack_all()
-    for fact in FACTS[Order.SOURCE_FIRST]:
-        h.fact(fact)
-        h.ack_all()
+    h.run_to_success()
     handoff = h.spans()["handoff"]
     assert handoff.parent is None
     assert _trace_id(handoff) != TRACE_ID
@@ -435,10 +427,7 @@ def test_a_malformed_traceparent_starts_a_trace_of_its_own() -> None:
 def test_a_retained_handoff_keeps_its_trace_context_and_no_span() -> None:
     h = Traced()
     h.begin()
-    h.ack_all()
-    for fact in FACTS[Order.SOURCE_FIRST]:
-        h.fact(fact)
-        h.ack_all()
+    h.run_to_success()
     retained = h.registry.get(h.handoff_id)
     assert isinstance(retained, Retained)
     trace = retained.trace
