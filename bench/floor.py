@@ -145,6 +145,20 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
         self._after_outcome(request)
         return pb.ReportOutcomeResponse()
 
+    async def Reconcile(
+        self,
+        request: pb.ReconcileRequest,
+        context: grpc.aio.ServicerContext[pb.ReconcileRequest, pb.ReconcileResponse],
+    ) -> pb.ReconcileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not part of the floor")
+
+    async def GetShardMap(
+        self,
+        request: pb.GetShardMapRequest,
+        context: grpc.aio.ServicerContext[pb.GetShardMapRequest, pb.GetShardMapResponse],
+    ) -> pb.GetShardMapResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not part of the floor")
+
     async def GetHandoff(
         self,
         request: pb.GetHandoffRequest,

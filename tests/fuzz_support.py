@@ -33,7 +33,10 @@ from handoff_server.app import Server
 T = TypeVar("T")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"]
-METHODS = {method.name: method for method in SERVICE.methods}
+# Reconcile (issue 12) and GetShardMap (issue 13) are declared ahead of
+# their servicer methods; each joins the fuzzed set when it is built.
+NOT_BUILT_YET = frozenset({"Reconcile", "GetShardMap"})
+METHODS = {method.name: method for method in SERVICE.methods if method.name not in NOT_BUILT_YET}
 PREFIX = f"/{SERVICE.full_name}/"
 # Answers a fuzzed call may get. INTERNAL and UNKNOWN never: they mean a bug.
 REFUSALS = frozenset(

@@ -217,6 +217,16 @@ class Scripted(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.GetHandoffResponse:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
 
+    async def Reconcile(
+        self, request: pb.ReconcileRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReconcileResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    async def GetShardMap(
+        self, request: pb.GetShardMapRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetShardMapResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
     async def StartHandoff(
         self, request: pb.StartHandoffRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.StartHandoffResponse:

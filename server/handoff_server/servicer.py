@@ -181,6 +181,22 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         await self.durably(context)
         return pb.GetHandoffResponse(handoff=handoff)
 
+    async def Reconcile(
+        self,
+        request: pb.ReconcileRequest,
+        context: grpc.aio.ServicerContext[pb.ReconcileRequest, pb.ReconcileResponse],
+    ) -> pb.ReconcileResponse:
+        # Declared in the proto ahead of its implementation (issue 12).
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Reconcile is not built yet")
+
+    async def GetShardMap(
+        self,
+        request: pb.GetShardMapRequest,
+        context: grpc.aio.ServicerContext[pb.GetShardMapRequest, pb.GetShardMapResponse],
+    ) -> pb.GetShardMapResponse:
+        # Declared in the proto ahead of its implementation (issue 13).
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetShardMap is not built yet")
+
     def _report_fact(self, request: pb.ReportFactRequest) -> CallResult:
         handoff_id = convert.handoff_id(request.handoff_id)
         fact = convert.fact(request.fact)

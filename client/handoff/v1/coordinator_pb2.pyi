@@ -172,6 +172,10 @@ class _ActionKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionKind
     """destination: abort and free; expect APPLIED or NOOP"""
     ACTION_KIND_COMPLETE: _ActionKind.ValueType  # 8
     """both: the handoff is over; no outcome expected"""
+    ACTION_KIND_HEARTBEAT: _ActionKind.ValueType  # 9
+    """Not an action: a sign of life on an idle stream, sent only to a
+    subscriber that asked for heartbeats. No handoff, no outcome.
+    """
 
 class ActionKind(_ActionKind, metaclass=_ActionKindEnumTypeWrapper): ...
 
@@ -192,6 +196,10 @@ ACTION_KIND_CANCEL_DESTINATION: ActionKind.ValueType  # 7
 """destination: abort and free; expect APPLIED or NOOP"""
 ACTION_KIND_COMPLETE: ActionKind.ValueType  # 8
 """both: the handoff is over; no outcome expected"""
+ACTION_KIND_HEARTBEAT: ActionKind.ValueType  # 9
+"""Not an action: a sign of life on an idle stream, sent only to a
+subscriber that asked for heartbeats. No handoff, no outcome.
+"""
 Global___ActionKind: _TypeAlias = ActionKind  # noqa: Y015
 
 class _OutcomeKind:
@@ -288,6 +296,36 @@ LIFECYCLE_EVENT_KIND_SOURCE_LOST: LifecycleEventKind.ValueType  # 7
 LIFECYCLE_EVENT_KIND_DESTINATION_LOST: LifecycleEventKind.ValueType  # 8
 """EngineLost{destination} was first applied"""
 Global___LifecycleEventKind: _TypeAlias = LifecycleEventKind  # noqa: Y015
+
+class _ReleaseReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReleaseReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReleaseReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RELEASE_REASON_UNSPECIFIED: _ReleaseReason.ValueType  # 0
+    RELEASE_REASON_UNKNOWN_HANDOFF: _ReleaseReason.ValueType  # 1
+    """never started here, or forgotten"""
+    RELEASE_REASON_CANCELED: _ReleaseReason.ValueType  # 2
+    """completed CANCELED"""
+    RELEASE_REASON_SUCCEEDED_AS_SOURCE: _ReleaseReason.ValueType  # 3
+    """completed SUCCESS; the source is done"""
+    RELEASE_REASON_ENGINE_LOST: _ReleaseReason.ValueType  # 4
+    """this engine was declared lost in it"""
+
+class ReleaseReason(_ReleaseReason, metaclass=_ReleaseReasonEnumTypeWrapper):
+    """Why an engine should no longer hold a side."""
+
+RELEASE_REASON_UNSPECIFIED: ReleaseReason.ValueType  # 0
+RELEASE_REASON_UNKNOWN_HANDOFF: ReleaseReason.ValueType  # 1
+"""never started here, or forgotten"""
+RELEASE_REASON_CANCELED: ReleaseReason.ValueType  # 2
+"""completed CANCELED"""
+RELEASE_REASON_SUCCEEDED_AS_SOURCE: ReleaseReason.ValueType  # 3
+"""completed SUCCESS; the source is done"""
+RELEASE_REASON_ENGINE_LOST: ReleaseReason.ValueType  # 4
+"""this engine was declared lost in it"""
+Global___ReleaseReason: _TypeAlias = ReleaseReason  # noqa: Y015
 
 @_typing.final
 class TransferTiming(_message.Message):
@@ -795,9 +833,14 @@ class StartHandoffResponse(_message.Message):
     HANDOFF_FIELD_NUMBER: _builtins.int
     ACTIONS_FIELD_NUMBER: _builtins.int
     ALREADY_STARTED_FIELD_NUMBER: _builtins.int
+    SHARD_FIELD_NUMBER: _builtins.int
     already_started: _builtins.bool
     """The id was already started with identical parameters (a retried
     StartHandoff): handoff is its current state and nothing new was issued.
+    """
+    shard: _builtins.str
+    """The name of the shard that owns the handoff for life (see GetShardMap);
+    later calls for it go there.
     """
     @_builtins.property
     def handoff(self) -> Global___Handoff:
@@ -815,10 +858,11 @@ class StartHandoffResponse(_message.Message):
         handoff: Global___Handoff | None = ...,
         actions: _abc.Iterable[Global___Action] | None = ...,
         already_started: _builtins.bool = ...,
+        shard: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["handoff", b"handoff"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "already_started", b"already_started", "handoff", b"handoff"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "already_started", b"already_started", "handoff", b"handoff", "shard", b"shard"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -943,6 +987,7 @@ class StreamActionsRequest(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    HEARTBEATS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The subscribing engine: 1-128 characters of [A-Za-z0-9._:-]."""
     incarnation: _builtins.str
@@ -958,16 +1003,22 @@ class StreamActionsRequest(_message.Message):
     old stream (a reconnect); the same incarnation from another session is
     refused while the old stream is live. At most 128 characters.
     """
+    heartbeats: _builtins.bool
+    """Send an ACTION_KIND_HEARTBEAT whenever the stream has been idle for the
+    heartbeat interval (response header handoff-heartbeat-ms), so the
+    sidecar can run a lease on the last sign of life.
+    """
     def __init__(
         self,
         *,
         engine_id: _builtins.str = ...,
         incarnation: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        heartbeats: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "incarnation", b"incarnation", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "heartbeats", b"heartbeats", "incarnation", b"incarnation", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1026,6 +1077,7 @@ class ConnectHello(_message.Message):
     LEAN_ACKS_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    HEARTBEATS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """The engine: 1-128 characters of [A-Za-z0-9._:-]."""
     batch: _builtins.bool
@@ -1045,6 +1097,8 @@ class ConnectHello(_message.Message):
     """As StreamActionsRequest.incarnation."""
     session_id: _builtins.str
     """As StreamActionsRequest.session_id."""
+    heartbeats: _builtins.bool
+    """As StreamActionsRequest.heartbeats; heartbeats arrive as actions."""
     def __init__(
         self,
         *,
@@ -1053,10 +1107,11 @@ class ConnectHello(_message.Message):
         lean_acks: _builtins.bool = ...,
         incarnation: _builtins.str = ...,
         session_id: _builtins.str = ...,
+        heartbeats: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "engine_id", b"engine_id", "incarnation", b"incarnation", "lean_acks", b"lean_acks", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "engine_id", b"engine_id", "heartbeats", b"heartbeats", "incarnation", b"incarnation", "lean_acks", b"lean_acks", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1242,3 +1297,198 @@ class ConnectResponse(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class HeldSide(_message.Message):
+    """A handoff side an engine holds (or held) resources for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    handoff_id: _builtins.str
+    role: Global___Role.ValueType
+    """ROLE_SOURCE or ROLE_DESTINATION."""
+    def __init__(
+        self,
+        *,
+        handoff_id: _builtins.str = ...,
+        role: Global___Role.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_id", b"handoff_id", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldSide: _TypeAlias = HeldSide  # noqa: Y015
+
+@_typing.final
+class ReconcileRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    FREED_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    """The engine, its incarnation and sidecar session, as on its subscription."""
+    incarnation: _builtins.str
+    session_id: _builtins.str
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldSide]:
+        """Sides the engine holds now: an acquiring action ran and no release or
+        cancel has yet. An activated destination is not held: the decode owns it.
+        """
+
+    @_builtins.property
+    def freed(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldSide]:
+        """Sides the sidecar freed on its own (lease expired, orphan) since its
+        last stream. The coordinator reports EngineLost for this engine's role
+        in each such handoff that is still active or cleaning up.
+        """
+
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        held: _abc.Iterable[Global___HeldSide] | None = ...,
+        freed: _abc.Iterable[Global___HeldSide] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "freed", b"freed", "held", b"held", "incarnation", b"incarnation", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileRequest: _TypeAlias = ReconcileRequest  # noqa: Y015
+
+@_typing.final
+class Release(_message.Message):
+    """A held side the engine should free now, through its own cancel handler."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HANDOFF_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    handoff_id: _builtins.str
+    role: Global___Role.ValueType
+    reason: Global___ReleaseReason.ValueType
+    def __init__(
+        self,
+        *,
+        handoff_id: _builtins.str = ...,
+        role: Global___Role.ValueType = ...,
+        reason: Global___ReleaseReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["handoff_id", b"handoff_id", "reason", b"reason", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Release: _TypeAlias = Release  # noqa: Y015
+
+@_typing.final
+class ReconcileResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASES_FIELD_NUMBER: _builtins.int
+    LOST_APPLIED_FIELD_NUMBER: _builtins.int
+    lost_applied: _builtins.int
+    """How many of the freed sides made the coordinator report EngineLost."""
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Release]:
+        """Only the held sides that should end; every other one goes on."""
+
+    def __init__(
+        self,
+        *,
+        releases: _abc.Iterable[Global___Release] | None = ...,
+        lost_applied: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lost_applied", b"lost_applied", "releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReconcileResponse: _TypeAlias = ReconcileResponse  # noqa: Y015
+
+@_typing.final
+class GetShardMapRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardMapRequest: _TypeAlias = GetShardMapRequest  # noqa: Y015
+
+@_typing.final
+class Shard(_message.Message):
+    """One coordinator shard. Names are stable (a StatefulSet pod name such as
+    handoff-2); addresses may change when a pod is rescheduled.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PLACING_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    address: _builtins.str
+    """host:port clients dial for this shard."""
+    placing: _builtins.bool
+    """New handoffs are placed on it. False while it drains before removal:
+    it still serves the handoffs it owns.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        address: _builtins.str = ...,
+        placing: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "name", b"name", "placing", b"placing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Shard: _TypeAlias = Shard  # noqa: Y015
+
+@_typing.final
+class GetShardMapResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARDS_FIELD_NUMBER: _builtins.int
+    SELF_FIELD_NUMBER: _builtins.int
+    self: _builtins.str
+    """The shard that answered."""
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___Shard]:
+        """Every shard, placing or draining, in ordinal order."""
+
+    def __init__(
+        self_,  # pyright: ignore[reportSelfClsParameterName]
+        *,
+        shards: _abc.Iterable[Global___Shard] | None = ...,
+        self: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["self", b"self", "shards", b"shards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardMapResponse: _TypeAlias = GetShardMapResponse  # noqa: Y015

@@ -44,6 +44,16 @@ class HandoffCoordinatorStub(object):
                 request_serializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffRequest.SerializeToString,
                 response_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffResponse.FromString,
                 )
+        self.Reconcile = channel.unary_unary(
+                '/handoff.v1.HandoffCoordinator/Reconcile',
+                request_serializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileRequest.SerializeToString,
+                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileResponse.FromString,
+                )
+        self.GetShardMap = channel.unary_unary(
+                '/handoff.v1.HandoffCoordinator/GetShardMap',
+                request_serializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapResponse.FromString,
+                )
 
 
 class HandoffCoordinatorServicer(object):
@@ -103,6 +113,24 @@ class HandoffCoordinatorServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reconcile(self, request, context):
+        """An engine's sidecar, on every (re)subscription, tells the coordinator
+        what its engine holds and what it freed on its own since its last
+        stream; the coordinator answers which holds should end. Call it as many
+        times as the lists need (each message within the size limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShardMap(self, request, context):
+        """The coordinator's shards: their names, addresses and which take new
+        handoffs. A single coordinator answers a map of one shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandoffCoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -135,6 +163,16 @@ def add_HandoffCoordinatorServicer_to_server(servicer, server):
                     servicer.GetHandoff,
                     request_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffRequest.FromString,
                     response_serializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffResponse.SerializeToString,
+            ),
+            'Reconcile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reconcile,
+                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileRequest.FromString,
+                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileResponse.SerializeToString,
+            ),
+            'GetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardMap,
+                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapRequest.FromString,
+                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -245,5 +283,39 @@ class HandoffCoordinator(object):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/GetHandoff',
             handoff_dot_v1_dot_coordinator__pb2.GetHandoffRequest.SerializeToString,
             handoff_dot_v1_dot_coordinator__pb2.GetHandoffResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def Reconcile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/Reconcile',
+            handoff_dot_v1_dot_coordinator__pb2.ReconcileRequest.SerializeToString,
+            handoff_dot_v1_dot_coordinator__pb2.ReconcileResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/GetShardMap',
+            handoff_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
+            handoff_dot_v1_dot_coordinator__pb2.GetShardMapResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -68,6 +68,16 @@ class HandoffCoordinatorStub:
     """Reads one handoff: phase, completion, engines, outstanding actions,
     lifecycle with timestamps, deadline.
     """
+    Reconcile: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReconcileRequest, _coordinator_pb2.ReconcileResponse]
+    """An engine's sidecar, on every (re)subscription, tells the coordinator
+    what its engine holds and what it freed on its own since its last
+    stream; the coordinator answers which holds should end. Call it as many
+    times as the lists need (each message within the size limit).
+    """
+    GetShardMap: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetShardMapRequest, _coordinator_pb2.GetShardMapResponse]
+    """The coordinator's shards: their names, addresses and which take new
+    handoffs. A single coordinator answers a map of one shard.
+    """
 
 @_typing.type_check_only
 class HandoffCoordinatorAsyncStub(HandoffCoordinatorStub):
@@ -101,6 +111,16 @@ class HandoffCoordinatorAsyncStub(HandoffCoordinatorStub):
     GetHandoff: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetHandoffRequest, _coordinator_pb2.GetHandoffResponse]  # type: ignore[assignment]
     """Reads one handoff: phase, completion, engines, outstanding actions,
     lifecycle with timestamps, deadline.
+    """
+    Reconcile: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReconcileRequest, _coordinator_pb2.ReconcileResponse]  # type: ignore[assignment]
+    """An engine's sidecar, on every (re)subscription, tells the coordinator
+    what its engine holds and what it freed on its own since its last
+    stream; the coordinator answers which holds should end. Call it as many
+    times as the lists need (each message within the size limit).
+    """
+    GetShardMap: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetShardMapRequest, _coordinator_pb2.GetShardMapResponse]  # type: ignore[assignment]
+    """The coordinator's shards: their names, addresses and which take new
+    handoffs. A single coordinator answers a map of one shard.
     """
 
 class HandoffCoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -168,6 +188,28 @@ class HandoffCoordinatorServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_coordinator_pb2.GetHandoffResponse, _abc.Awaitable[_coordinator_pb2.GetHandoffResponse]]:
         """Reads one handoff: phase, completion, engines, outstanding actions,
         lifecycle with timestamps, deadline.
+        """
+
+    @_abc_1.abstractmethod
+    def Reconcile(
+        self,
+        request: _coordinator_pb2.ReconcileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReconcileResponse, _abc.Awaitable[_coordinator_pb2.ReconcileResponse]]:
+        """An engine's sidecar, on every (re)subscription, tells the coordinator
+        what its engine holds and what it freed on its own since its last
+        stream; the coordinator answers which holds should end. Call it as many
+        times as the lists need (each message within the size limit).
+        """
+
+    @_abc_1.abstractmethod
+    def GetShardMap(
+        self,
+        request: _coordinator_pb2.GetShardMapRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.GetShardMapResponse, _abc.Awaitable[_coordinator_pb2.GetShardMapResponse]]:
+        """The coordinator's shards: their names, addresses and which take new
+        handoffs. A single coordinator answers a map of one shard.
         """
 
 def add_HandoffCoordinatorServicer_to_server(servicer: HandoffCoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
