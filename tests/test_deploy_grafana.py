@@ -23,6 +23,14 @@ REQUIRED = {
     "action latency by kind": "handoff_action_latency_seconds_bucket",
     "engine streams": "handoff_engine_streams",
     "rejections": "handoff_rejections_total",
+    # per shard (issue 13): where the load goes, what a shard being removed still holds,
+    # which shard is down, unreached by the sidecars, or refusing misrouted starts
+    "handoffs started by shard": "handoff_started_total",
+    "active handoffs by shard": "handoff_handoffs",
+    "shards up": "up",
+    "engine streams by shard": "handoff_engine_streams",
+    "misrouted starts by shard": "handoff_misrouted_starts_total",
+    "journal replay time by shard": "handoff_recovery_seconds",
 }
 
 
@@ -36,7 +44,7 @@ def test_is_json_with_a_stable_identity() -> None:
     assert document["title"]
     assert isinstance(document["schemaVersion"], int)
     names = [v["name"] for v in document["templating"]["list"]]
-    assert names == ["datasource", "namespace", "job"]
+    assert names == ["datasource", "namespace", "job", "shard"]
 
 
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:
@@ -64,7 +72,8 @@ def test_every_query_uses_the_selected_datasource_and_scope() -> None:
         assert len(ref_ids) == len(set(ref_ids)), panel["title"]
         for target in panel["targets"]:
             assert target["datasource"] == panel["datasource"]
-            assert 'namespace=~"$namespace", job=~"$job"' in target["expr"], panel["title"]
+            scope = 'namespace=~"$namespace", job=~"$job", shard=~"$shard"'
+            assert scope in target["expr"], panel["title"]
     assert len(dashboard_queries(dashboard())) > len(graph_panels())
 
 

@@ -56,7 +56,17 @@ def test_promtool_unit_tests_pass(promtool: str) -> None:
         # an expectation that is wrong
         (None, ("(threshold 5%); see", "(threshold 6%); see")),
         # an alert that fires on the healthy series
-        (("(handoff_engine_streams) == 0", "(handoff_engine_streams) >= 0"), None),
+        (("job) (handoff_engine_streams) == 0", "job) (handoff_engine_streams) >= 0"), None),
+        # a per-shard alert that no longer names the shard
+        (
+            (
+                'max by (namespace, job, shard) (up{job="handoff"}) == 0\n',
+                'max by (namespace, job) (up{job="handoff"}) == 0\n',
+            ),
+            None,
+        ),
+        # placement skew that counts a draining shard (it starts none) in the average
+        (("(rate(handoff_started_total[15m])) > 0)", "(rate(handoff_started_total[15m])))"), None),
     ],
 )
 def test_promtool_unit_tests_catch_a_broken_rule(
