@@ -346,7 +346,12 @@ def test_counters_add_up_over_a_restart_and_gauges_are_the_running_processs() ->
 
 def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -> None:
     crash = CoordinatorCrash(
-        killed_pid=100, pid=200, restarted_in_s=0.8, recovered=11, recovery_s=0.25
+        killed_pid=100,
+        scraped_before_s=0.004,
+        pid=200,
+        restarted_in_s=0.8,
+        recovered=11,
+        recovery_s=0.25,
     )
     result = SimResult(
         journeys=(journey("h", handoff(Completion.SUCCESS)),),
@@ -368,7 +373,10 @@ def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -
         "coordinator: killed 1x, restarted in 800 ms, recovered 11 handoffs in 250 ms "
         "(kill -9 of pid 100; now pid 200)"
     ) in text
-    assert "counters summed over 2 coordinator processes" in text
+    assert (
+        "counters summed over 2 coordinator processes; a killed one's were scraped at "
+        "most 4 ms before its SIGKILL" in text
+    )
     assert (
         "started: 15 (11 recovered from the journal at the last restart, 4 started since)" in text
     )

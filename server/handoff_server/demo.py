@@ -147,8 +147,9 @@ class Crasher:
 
     async def crash(self) -> CoordinatorCrash:
         coordinator = self._coordinator
-        self.earlier.append(await scrape(coordinator.metrics_url))
         loop = asyncio.get_running_loop()
+        scraped = loop.time()
+        self.earlier.append(await scrape(coordinator.metrics_url))
         began = loop.time()
         killed = await coordinator.kill()
         await coordinator.start()
@@ -157,6 +158,7 @@ class Crasher:
         assert coordinator.pid is not None
         return CoordinatorCrash(
             killed_pid=killed,
+            scraped_before_s=began - scraped,
             pid=coordinator.pid,
             restarted_in_s=restarted_in_s,
             recovered=round(now.latest("handoff_recovered_handoffs")),

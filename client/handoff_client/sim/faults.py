@@ -93,6 +93,9 @@ class CoordinatorCrash:
     """One coordinator crash, as the process that caused it saw it."""
 
     killed_pid: int
+    # From the start of the last scrape of the killed process to its SIGKILL:
+    # what it counted meanwhile is in no scrape.
+    scraped_before_s: float
     pid: int  # of the process restarted in its place
     restarted_in_s: float  # from SIGKILL until the new process served
     recovered: int  # handoffs it recovered from the journal (handoff_recovered_handoffs)

@@ -98,7 +98,7 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
         ),
     ]
     lines = ["", "summary"] + [f"{key:>{KEY_WIDTH}}: {value}" for key, value in rows]
-    lines += ["", _server_heading(metrics), *_server_rows(metrics)]
+    lines += ["", _server_heading(metrics, result.coordinator_crashes), *_server_rows(metrics)]
     lines += ["", _verdict(result)]
     return "\n".join(lines)
 
@@ -117,12 +117,14 @@ def _crashes(crashes: Sequence[CoordinatorCrash]) -> str:
     )
 
 
-def _server_heading(metrics: ServerMetrics | str) -> str:
+def _server_heading(metrics: ServerMetrics | str, crashes: Sequence[CoordinatorCrash]) -> str:
     if isinstance(metrics, str) or metrics.processes == 1:
         return "server /metrics"
+    gap = max((c.scraped_before_s for c in crashes), default=0.0)
     return (
-        f"server /metrics (counters summed over {metrics.processes} coordinator processes, "
-        "each killed one's as scraped just before its kill; gauges of the running one)"
+        f"server /metrics (counters summed over {metrics.processes} coordinator processes; "
+        f"a killed one's were scraped at most {duration(gap)} before its SIGKILL, and what it "
+        "counted in between is in neither; gauges are the running one's)"
     )
 
 
