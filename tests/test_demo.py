@@ -82,7 +82,8 @@ def test_a_short_demo_ends_with_a_clean_summary(tmp_path: Path) -> None:
     # second one recovered the handoffs from its journal, and neither outlives the demo.
     first_pid = coordinator_pid(first)
     crash = re.search(
-        r"coordinator: killed 1x, restarted in \S+ m?s, recovered (\d+) handoffs in \S+ m?s "
+        r"coordinator: killed 1x with \d+ handoffs in flight, restarted in \S+ m?s, "
+        r"recovered (\d+) handoffs in \S+ m?s "
         r"\(kill -9 of pid (\d+); now pid (\d+)\)",
         out,
     )

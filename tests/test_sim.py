@@ -352,6 +352,7 @@ def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -
         restarted_in_s=0.8,
         recovered=11,
         recovery_s=0.25,
+        in_flight=7,
     )
     result = SimResult(
         journeys=(journey("h", handoff(Completion.SUCCESS)),),
@@ -370,8 +371,8 @@ def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -
     # the counters miss it, the restarted process's journal does not.
     text = render(result, parse(RESTARTED).after([parse(KILLED)]))
     assert (
-        "coordinator: killed 1x, restarted in 800 ms, recovered 11 handoffs in 250 ms "
-        "(kill -9 of pid 100; now pid 200)"
+        "coordinator: killed 1x with 7 handoffs in flight, restarted in 800 ms, "
+        "recovered 11 handoffs in 250 ms (kill -9 of pid 100; now pid 200)"
     ) in text
     assert (
         "counters summed over 2 coordinator processes; a killed one's were scraped at "

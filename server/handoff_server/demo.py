@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from handoff_client.client import HandoffClient
@@ -25,7 +27,7 @@ from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
 from handoff_client.sim.faults import CoordinatorCrash
 from handoff_client.sim.report import render
 from handoff_client.sim.run import simulate
-from handoff_client.sim.scrape import ServerMetrics, scrape
+from handoff_client.sim.scrape import ServerMetrics, fetch, parse, scrape
 from handoff_server.config import Settings
 from handoff_server.coordinators import CoordinatorError, CoordinatorProcess, coordinators
 
@@ -147,18 +149,29 @@ class Crasher:
 
     async def crash(self) -> CoordinatorCrash:
         coordinator = self._coordinator
-        loop = asyncio.get_running_loop()
-        scraped = loop.time()
-        self.earlier.append(await scrape(coordinator.metrics_url))
-        began = loop.time()
-        killed = await coordinator.kill()
+        pid = coordinator.pid
+        if pid is None:
+            raise CoordinatorError(f"{coordinator.name} is not running: nothing to crash")
+
+        def last_scrape_then_kill() -> tuple[str, float, float]:
+            # SIGKILL from this thread the moment the scrape is in: a hop back
+            # to the busy event loop would let the process count on unseen.
+            began = time.monotonic()
+            text = fetch(coordinator.metrics_url)
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            return text, killed_at - began, killed_at
+
+        text, scraped_before_s, killed_at = await asyncio.to_thread(last_scrape_then_kill)
+        self.earlier.append(parse(text))
+        await coordinator.kill()  # reaps it
         await coordinator.start()
-        restarted_in_s = loop.time() - began
+        restarted_in_s = time.monotonic() - killed_at
         now = await scrape(coordinator.metrics_url)
         assert coordinator.pid is not None
         return CoordinatorCrash(
-            killed_pid=killed,
-            scraped_before_s=began - scraped,
+            killed_pid=pid,
+            scraped_before_s=scraped_before_s,
             pid=coordinator.pid,
             restarted_in_s=restarted_in_s,
             recovered=round(now.latest("handoff_recovered_handoffs")),

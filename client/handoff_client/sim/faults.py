@@ -100,6 +100,7 @@ class CoordinatorCrash:
     restarted_in_s: float  # from SIGKILL until the new process served
     recovered: int  # handoffs it recovered from the journal (handoff_recovered_handoffs)
     recovery_s: float  # how long its replay took (handoff_recovery_seconds)
+    in_flight: int = 0  # handoffs the frontend had in flight when it asked (the simulator's count)
 
 
 class CoordinatorCrasher(Protocol):

@@ -109,7 +109,8 @@ def _crashes(crashes: Sequence[CoordinatorCrash]) -> str:
 
     killed = ", ".join(str(c.killed_pid) for c in crashes)
     return (
-        f"killed {len(crashes)}x, restarted in "
+        f"killed {len(crashes)}x with {each([str(c.in_flight) for c in crashes])} handoffs "
+        "in flight, restarted in "
         f"{each([duration(c.restarted_in_s) for c in crashes])}, recovered "
         f"{each([str(c.recovered) for c in crashes])} handoffs in "
         f"{each([duration(c.recovery_s) for c in crashes])} (kill -9 of pid"

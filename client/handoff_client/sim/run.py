@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 from handoff_client.client import HandoffClient
@@ -89,7 +89,7 @@ async def simulate(
     ]
     crashes: list[CoordinatorCrash] = []
     if crasher is not None:
-        background.append(asyncio.create_task(_crash(crasher, config, crashes)))
+        background.append(asyncio.create_task(_crash(crasher, config, frontend.counters, crashes)))
     if progress is not None:
         background.append(asyncio.create_task(progress.run()))
     try:
@@ -161,7 +161,10 @@ async def _stick(cluster: Cluster, config: SimConfig) -> None:
 
 
 async def _crash(
-    crasher: CoordinatorCrasher, config: SimConfig, crashes: list[CoordinatorCrash]
+    crasher: CoordinatorCrasher,
+    config: SimConfig,
+    counters: Counters,
+    crashes: list[CoordinatorCrash],
 ) -> None:
     """Crash the coordinator ``coordinator_crashes`` times, the first at its fraction."""
     faults = config.faults
@@ -172,4 +175,5 @@ async def _crash(
     for index in range(faults.coordinator_crashes):
         at = began + _at(config, first + index * step)
         await asyncio.sleep(max(at - loop.time(), 0.0))
-        crashes.append(await crasher.crash())
+        in_flight = counters.in_flight
+        crashes.append(replace(await crasher.crash(), in_flight=in_flight))

@@ -75,13 +75,14 @@ def parse(text: str) -> ServerMetrics:
     return ServerMetrics(samples, frozenset(counting))
 
 
+def fetch(url: str, timeout_s: float = 5.0) -> str:
+    """The exposition text at ``url`` (blocking); raises OSError (URLError included)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        body: bytes = response.read()
+    return body.decode()
+
+
 async def scrape(url: str, timeout_s: float = 5.0) -> ServerMetrics:
     """Fetch and parse ``url``; raises OSError (URLError included) when unreachable."""
-
-    def fetch() -> str:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            body: bytes = response.read()
-        return body.decode()
-
     # urllib blocks; a thread keeps the event loop (and the sidecars) running.
-    return parse(await asyncio.to_thread(fetch))
+    return parse(await asyncio.to_thread(fetch, url, timeout_s))
