@@ -129,7 +129,7 @@ async def test_several_are_all_stopped_when_the_block_is_cancelled(tmp_path: Pat
     running = asyncio.Event()
 
     async def block() -> None:
-        async with coordinators(2, SETTINGS, tmp_path) as group:
+        async with coordinators([SETTINGS, SETTINGS], tmp_path) as group:
             assert len({c.port for c in group}) == 2
             pids.extend(c.pid for c in group if c.pid is not None)
             running.set()

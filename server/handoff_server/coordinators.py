@@ -22,7 +22,7 @@ import dataclasses
 import os
 import re
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -95,8 +95,8 @@ class CoordinatorProcess:
     async def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Start ``handoff serve`` (on the ports of the previous start, if any) until it serves.
 
-        Raises CoordinatorError, with the end of its log, if it exits first or
-        is not serving within ``timeout_s``.
+        Raises CoordinatorError, naming its log, if it exits first or is not
+        serving within ``timeout_s``; no process is left running then.
         """
         if self.pid is not None:
             raise CoordinatorError(f"{self.name} runs already (pid {self.pid})")
@@ -199,11 +199,13 @@ class CoordinatorProcess:
 
 @contextlib.asynccontextmanager
 async def coordinators(
-    count: int, settings: Settings, directory: Path
+    settings: Sequence[Settings], directory: Path
 ) -> AsyncIterator[list[CoordinatorProcess]]:
-    """``count`` coordinators started (concurrently), each stopped on leaving however it ends."""
+    """A coordinator per ``settings`` (each shard's own), started concurrently, each
+    stopped on leaving however the block ends."""
     started = [
-        CoordinatorProcess(f"coordinator-{index}", settings, directory) for index in range(count)
+        CoordinatorProcess(f"coordinator-{index}", each, directory)
+        for index, each in enumerate(settings)
     ]
     try:
         await asyncio.gather(*(c.start() for c in started))

@@ -111,7 +111,7 @@ async def _demo(config: SimConfig) -> bool:
     directory = Path(tempfile.mkdtemp(prefix="handoff-demo-"))
     ok = False
     try:
-        async with coordinators(1, SERVER_SETTINGS, directory) as (coordinator,):
+        async with coordinators([SERVER_SETTINGS], directory) as (coordinator,):
             print(
                 f"coordinator pid {coordinator.pid} on {coordinator.address}, metrics on "
                 f"{coordinator.metrics_url}, journal in {coordinator.state_dir}; "
