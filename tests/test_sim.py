@@ -26,12 +26,13 @@ from handoff_client import (
 from handoff_client.sidecar import SidecarStats
 from handoff_client.sim.cluster import Cluster
 from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
+from handoff_client.sim.faults import CoordinatorCrash
 from handoff_client.sim.frontend import Counters, Journey
 from handoff_client.sim.leaks import LeakCheck, PoolLeak, check_leaks
 from handoff_client.sim.pool import KvBlockPool
 from handoff_client.sim.report import percentile, render
 from handoff_client.sim.run import SimResult, simulate
-from handoff_client.sim.scrape import scrape
+from handoff_client.sim.scrape import parse, scrape
 from handoff_client.sim.workload import RequestBook
 from handoff_client.transport import TRANSPORT_KINDS, TransportKind
 from tests.conftest import StartServer, free_port
@@ -234,6 +235,11 @@ def test_a_leak_fails_the_run_and_the_report_says_where() -> None:
         ({"faults": FaultProfile(dead_engines=20)}, "more dead, slow, restarted and stuck engines"),
         ({"settle_timeout_s": 5.0}, "must exceed the handoff timeout"),
         ({"transport": "http"}, "transport must be one of connect, unary"),
+        ({"faults": FaultProfile(coordinator_crashes=-1)}, "coordinator_crashes must be >= 0"),
+        (
+            {"faults": FaultProfile(coordinator_crashes=1, coordinator_crash_at_fraction=1.0)},
+            "coordinator_crash_at_fraction",
+        ),
     ],
 )
 def test_impossible_configs_are_refused(changes: dict[str, object], message: str) -> None:
@@ -286,3 +292,94 @@ async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
     assert node.sidecar.stats.reconnects == 0
     assert cluster.restarted == [node.engine_id]
     assert node.engine_id in {n.engine_id for n in cluster.routable(EngineType.VLLM, node.role)}
+
+
+async def test_coordinator_crashes_need_the_coordinators_process() -> None:
+    config = SimConfig(faults=FaultProfile(coordinator_crashes=1))
+    async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
+        with pytest.raises(ValueError, match="need the coordinator's process"):
+            await simulate(client, config)
+
+
+# As prometheus_client writes them.
+KILLED = """\
+# TYPE handoff_started_total counter
+handoff_started_total 10.0
+# TYPE handoff_started_created gauge
+handoff_started_created 1.7e9
+# TYPE handoff_completed_total counter
+handoff_completed_total{result="success"} 6.0
+handoff_completed_total{result="canceled"} 1.0
+# TYPE handoff_handoffs gauge
+handoff_handoffs{phase="active"} 3.0
+# TYPE handoff_recovered_handoffs gauge
+handoff_recovered_handoffs 0.0
+"""
+RESTARTED = """\
+# TYPE handoff_started_total counter
+handoff_started_total 4.0
+# TYPE handoff_started_created gauge
+handoff_started_created 1.8e9
+# TYPE handoff_completed_total counter
+handoff_completed_total{result="success"} 7.0
+# TYPE handoff_handoffs gauge
+handoff_handoffs{phase="active"} 0.0
+# TYPE handoff_recovered_handoffs gauge
+handoff_recovered_handoffs 11.0
+# TYPE handoff_recovery_seconds gauge
+handoff_recovery_seconds 0.25
+"""
+
+
+def test_counters_add_up_over_a_restart_and_gauges_are_the_running_processs() -> None:
+    metrics = parse(RESTARTED).after([parse(KILLED)])
+    assert metrics.processes == 2
+    assert metrics.total("handoff_started_total") == 14.0
+    assert metrics.by_label("handoff_completed_total", "result") == {
+        "success": 13.0,
+        "canceled": 1.0,
+    }
+    assert metrics.by_label("handoff_handoffs", "phase") == {"active": 0.0}
+    assert metrics.total("handoff_started_created") == 1.8e9  # a timestamp, not a count
+    assert metrics.latest("handoff_started_total") == 4.0
+
+
+def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -> None:
+    crash = CoordinatorCrash(
+        killed_pid=100,
+        scraped_before_s=0.004,
+        pid=200,
+        restarted_in_s=0.8,
+        recovered=11,
+        recovery_s=0.25,
+        in_flight=7,
+    )
+    result = SimResult(
+        journeys=(journey("h", handoff(Completion.SUCCESS)),),
+        counters=Counters(started=15, finished=15, success=15),
+        leaks=LeakCheck(pools_checked=4, leaks=(), stuck=(), lost=(), abandoned_with_dead_engine=0),
+        load_s=1.0,
+        total_s=1.5,
+        sidecars=SidecarStats(0, 0, 0, 0, 0, 0, 0, 0),
+        stream_drops=0,
+        injected_failures=0,
+        killed=(),
+        slow=(),
+        coordinator_crashes=(crash,),
+    )
+    # The killed process started one more handoff after its last scrape:
+    # the counters miss it, the restarted process's journal does not.
+    text = render(result, parse(RESTARTED).after([parse(KILLED)]))
+    assert (
+        "coordinator: killed 1x with 7 handoffs in flight, restarted in 800 ms, "
+        "recovered 11 handoffs in 250 ms (kill -9 of pid 100; now pid 200)"
+    ) in text
+    assert (
+        "counters summed over 2 coordinator processes; a killed one's were scraped at "
+        "most 4 ms before its SIGKILL" in text
+    )
+    assert (
+        "started: 15 (11 recovered from the journal at the last restart, 4 started since)" in text
+    )
+    assert "completed success: 13" in text
+    assert "active now: 0" in text

@@ -37,8 +37,10 @@ The service, on grpc.aio:
 Commands (``handoff ...``):
 
 - ``cli``: the command and its subcommands; ``serve``, ``health``,
-  ``inspect_cmd``, ``replay`` and ``demo`` (a coordinator in this process and
-  the SDK's simulator against it) are one subcommand each.
+  ``inspect_cmd``, ``replay`` and ``demo`` (a coordinator process and the
+  SDK's simulator against it, crashing the coordinator mid-run) are one
+  subcommand each; ``coordinators``: coordinators as ``handoff serve``
+  processes, started, killed -9 and restarted on their state dir.
 - ``conformance``: reading conformance vectors and comparing answers with them.
 - ``stubs``: regenerating the committed gRPC stubs from proto/.
 """

@@ -1,19 +1,35 @@
-"""`handoff demo`: a real coordinator on a free local port, and the simulator against it."""
+"""`handoff demo`: a coordinator process on a free local port, and the simulator against it.
+
+The coordinator is a `handoff serve` process of its own, journaling to a
+state dir in a temporary directory (coordinators.py), so the demo can crash
+it for real: the "coordinator crash" fault kills it with SIGKILL mid-run and
+restarts it on the same port and state dir, and the engines and the frontend
+ride through. The temporary directory (state dir and the coordinator's log)
+is removed after a PASS and kept, and named, otherwise.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
+import signal
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from handoff_client.client import HandoffClient
+from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.sim import options
 from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
+from handoff_client.sim.faults import CoordinatorCrash
 from handoff_client.sim.report import render
 from handoff_client.sim.run import simulate
-from handoff_client.sim.scrape import scrape
-from handoff_server.app import Server
+from handoff_client.sim.scrape import ServerMetrics, fetch, parse, scrape
 from handoff_server.config import Settings
+from handoff_server.coordinators import CoordinatorError, CoordinatorProcess, coordinators
 
 # Handoffs that wait for a fact from the engine that died end at their
 # deadline; a short one keeps the demo within the minute.
@@ -21,16 +37,25 @@ DEFAULTS = SimConfig(load=LoadProfile(handoff_timeout_s=10.0), faults=FaultProfi
 
 # Short server timers, so that the demo's dead engine is noticed (delivery
 # timeout), and its handoffs abandoned (cleanup timeout), within the minute.
+# The cleanup timeout outlasts the coordinator's restart (seconds on a busy
+# machine): deadlines keep running while it is down, and a cleanup whose
+# timeout passed meanwhile is abandoned the moment it recovers, before its
+# engines could acknowledge. (Host, ports and state dir are the
+# coordinator process's: coordinators.py.)
 SERVER_SETTINGS = Settings(
-    host="127.0.0.1",
-    port=0,
-    metrics_host="127.0.0.1",
-    metrics_port=0,
     delivery_timeout_s=2.0,
-    cleanup_timeout_s=4.0,
+    cleanup_timeout_s=10.0,
     cleanup_redelivery_s=0.25,
     drain_grace_s=2.0,
 )
+
+# The frontend's calls ride through a coordinator restart (a second or two):
+# the SDK's default, 5 attempts, gives up within about a second (measured:
+# GetHandoff then fails UNAVAILABLE), so attempts are many and each call's
+# deadline bounds them (StartHandoff: each attempt's). The channel retries
+# its connection quickly too: gRPC's default waits 1 s, then 1.6 s, ...
+RIDE_THROUGH = RetryPolicy(max_attempts=100, backoff=Backoff(initial_s=0.05, max_s=0.5))
+RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,16 +64,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="start a local coordinator and run the simulator against it, with faults",
         description=(
-            "Start a real coordinator on a free loopback port (with its metrics endpoint), "
-            "run simulated vllm, sglang and trtllm engines against it with every fault on "
-            "(failed actions, connection drops, a slow engine, an engine that dies, an engine "
-            "that restarts under the same id, handlers that hang), show "
+            "Start a coordinator (a `handoff serve` process with a journal in a temporary "
+            "state dir) on a free loopback port, with its metrics endpoint, run simulated "
+            "vllm, sglang and trtllm engines against it with every fault on (failed actions, "
+            "connection drops, a slow engine, an engine that dies, an engine that restarts "
+            "under the same id, handlers that hang, and the coordinator killed with SIGKILL "
+            "mid-run and restarted on its state dir), show "
             "live progress, and end with a summary: counts by completion, latency, "
             "throughput, leaks and the server's own counters. Exits 0 only if nothing "
             "leaked and every handoff finished."
         ),
     )
-    options.add_arguments(parser, DEFAULTS)
+    options.add_arguments(parser, DEFAULTS, own_coordinator=True)
     parser.set_defaults(run=run)
 
 
@@ -59,25 +86,94 @@ def run(args: argparse.Namespace) -> int:
         print(f"handoff demo: {error}", file=sys.stderr)
         return 2
     log_path = options.log_to_file(args.log_file)
-    ok = asyncio.run(_demo(config))
-    print(f"logs: {log_path}")
+    try:
+        ok = asyncio.run(_demo(config))
+    except CoordinatorError as error:
+        print(f"handoff demo: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("handoff demo: interrupted; the coordinator is stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except asyncio.CancelledError:  # SIGTERM (see _demo)
+        print("handoff demo: terminated; the coordinator is stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        print(f"logs: {log_path}")
     return 0 if ok else 1
 
 
 async def _demo(config: SimConfig) -> bool:
-    server = Server(SERVER_SETTINGS)
-    await server.start()
+    # SIGTERM ends the demo as Ctrl-C does (asyncio.run handles that one):
+    # the main task is cancelled, so the coordinator is stopped on the way out.
+    main = asyncio.current_task()
+    assert main is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+    directory = Path(tempfile.mkdtemp(prefix="handoff-demo-"))
+    ok = False
     try:
-        print(
-            f"coordinator on 127.0.0.1:{server.port}, metrics on "
-            f"http://127.0.0.1:{server.metrics_port}/metrics; "
-            f"{config.engine_count} simulated engines, {options.sidecars_on(config)}",
-            flush=True,
-        )
-        async with HandoffClient(f"127.0.0.1:{server.port}") as client:
-            result = await simulate(client, config, sys.stdout)
-        metrics = await scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+        async with coordinators([SERVER_SETTINGS], directory) as (coordinator,):
+            print(
+                f"coordinator pid {coordinator.pid} on {coordinator.address}, metrics on "
+                f"{coordinator.metrics_url}, journal in {coordinator.state_dir}; "
+                f"{config.engine_count} simulated engines, {options.sidecars_on(config)}",
+                flush=True,
+            )
+            crasher = Crasher(coordinator)
+            async with HandoffClient(
+                coordinator.address, retry=RIDE_THROUGH, channel_options=RECONNECT
+            ) as client:
+                result = await simulate(
+                    client,
+                    config,
+                    sys.stdout,
+                    crasher=crasher if config.faults.coordinator_crashes else None,
+                )
+            metrics = (await scrape(coordinator.metrics_url)).after(crasher.earlier)
+        print(render(result, metrics))
+        ok = result.ok
     finally:
-        await server.stop()
-    print(render(result, metrics))
-    return result.ok
+        if ok:
+            shutil.rmtree(directory, ignore_errors=True)
+        else:
+            print(f"coordinator log and state dir kept in {directory}")
+    return ok
+
+
+class Crasher:
+    """Crashes the demo's coordinator when the simulator says: kill -9, restart, recover."""
+
+    def __init__(self, coordinator: CoordinatorProcess) -> None:
+        self._coordinator = coordinator
+        # Each killed process's counters, scraped just before its kill.
+        self.earlier: list[ServerMetrics] = []
+
+    async def crash(self) -> CoordinatorCrash:
+        coordinator = self._coordinator
+        pid = coordinator.pid
+        if pid is None:
+            raise CoordinatorError(f"{coordinator.name} is not running: nothing to crash")
+
+        def last_scrape_then_kill() -> tuple[str, float, float]:
+            # SIGKILL from this thread the moment the scrape is in: a hop back
+            # to the busy event loop would let the process count on unseen.
+            began = time.monotonic()
+            text = fetch(coordinator.metrics_url)
+            os.kill(pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            return text, killed_at - began, killed_at
+
+        text, scraped_before_s, killed_at = await asyncio.to_thread(last_scrape_then_kill)
+        self.earlier.append(parse(text))
+        await coordinator.kill()  # reaps it
+        await coordinator.start()
+        restarted_in_s = time.monotonic() - killed_at
+        now = await scrape(coordinator.metrics_url)
+        assert coordinator.pid is not None
+        return CoordinatorCrash(
+            killed_pid=pid,
+            scraped_before_s=scraped_before_s,
+            pid=coordinator.pid,
+            restarted_in_s=restarted_in_s,
+            recovered=round(now.latest("handoff_recovered_handoffs")),
+            recovery_s=now.latest("handoff_recovery_seconds"),
+        )

@@ -2,7 +2,7 @@
 
 :func:`~handoff_client.sim.run.simulate` runs one simulation against a server;
 ``handoff sim`` is its command; ``handoff demo`` (handoff_server.demo) runs it
-against a coordinator in the same process.
+against a coordinator process of its own, which it can crash and restart.
 
 Which module owns what:
 
@@ -15,7 +15,8 @@ Which module owns what:
 - ``engine``: one simulated prefill or decode engine; ``pool``: its finite KV blocks.
 - ``frontend``: the load generator, playing the router that starts and cancels
   handoffs; ``workload``: the requests it sends.
-- ``faults``: connection faults injected between a sidecar and its transport.
+- ``faults``: connection faults injected between a sidecar and its transport,
+  and the coordinator crashes the demo injects.
 - ``leaks``: the end-of-run check that every pool is full again and every handoff finished.
 - ``report``, ``progress`` and ``scrape``: the summary, the live progress line,
   and the server's own counters read from its metrics endpoint.

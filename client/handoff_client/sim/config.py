@@ -62,6 +62,12 @@ class FaultProfile:
     # must still flow.
     stuck_handlers: int = 0
     stuck_at_fraction: float = 0.2
+    # The coordinator process killed with SIGKILL and restarted on its state
+    # dir (only where the simulator runs the coordinator: `handoff demo`).
+    # The first crash comes at this fraction of the run, any others spread
+    # evenly over the rest.
+    coordinator_crashes: int = 0
+    coordinator_crash_at_fraction: float = 0.6
 
     @classmethod
     def demo(cls) -> FaultProfile:
@@ -73,6 +79,7 @@ class FaultProfile:
             slow_engines=1,
             restarted_engines=1,
             stuck_handlers=3,
+            coordinator_crashes=1,
         )
 
 
@@ -103,13 +110,23 @@ class SimConfig:
                 raise ValueError(f"{name} must be within [0, 1]")
         if not 0 <= faults.action_failure_rate <= 1:
             raise ValueError("action_failure_rate must be within [0, 1]")
-        timed = faults.dead_engines or faults.restarted_engines or faults.stuck_handlers
+        timed = (
+            faults.dead_engines
+            or faults.restarted_engines
+            or faults.stuck_handlers
+            or faults.coordinator_crashes
+        )
         if timed and load.duration_s <= 0 and load.rate <= 0:
             raise ValueError(
-                "engines die, restart or hang at a point in time: give a duration or a rate"
+                "engines die, restart or hang, and coordinators crash, at a point in time: "
+                "give a duration or a rate"
             )
         if faults.restarted_engines < 0 or faults.stuck_handlers < 0:
             raise ValueError("restarted_engines and stuck_handlers must be >= 0")
+        if faults.coordinator_crashes < 0:
+            raise ValueError("coordinator_crashes must be >= 0")
+        if not 0 <= faults.coordinator_crash_at_fraction < 1:
+            raise ValueError("coordinator_crash_at_fraction must be within [0, 1)")
         faulty = faults.dead_engines + faults.slow_engines + faults.restarted_engines
         if faulty + (1 if faults.stuck_handlers else 0) > self.engine_count:
             raise ValueError("more dead, slow, restarted and stuck engines than engines")

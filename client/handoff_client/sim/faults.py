@@ -1,4 +1,4 @@
-"""Connection faults, injected between a sidecar and its transport.
+"""Faults injected from outside the engines: connection faults, and coordinator crashes.
 
 :class:`FlakyTransport` wraps a real transport. Now and then (exponentially
 distributed, ``mean_interval_s`` apart on average) it cuts the connection:
@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from handoff_client.errors import UnavailableError
 from handoff_client.model import Action, Fact, Outcome
@@ -84,3 +86,24 @@ class FlakyTransport:
                 yield action
         finally:
             await actions.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorCrash:
+    """One coordinator crash, as the process that caused it saw it."""
+
+    killed_pid: int
+    # From the start of the last scrape of the killed process to its SIGKILL:
+    # what it counted meanwhile is in no scrape.
+    scraped_before_s: float
+    pid: int  # of the process restarted in its place
+    restarted_in_s: float  # from SIGKILL until the new process served
+    recovered: int  # handoffs it recovered from the journal (handoff_recovered_handoffs)
+    recovery_s: float  # how long its replay took (handoff_recovery_seconds)
+    in_flight: int = 0  # handoffs the frontend had in flight when it asked (the simulator's count)
+
+
+class CoordinatorCrasher(Protocol):
+    async def crash(self) -> CoordinatorCrash:
+        """Kill the coordinator with SIGKILL, restart it on its state dir; when it serves again."""
+        ...

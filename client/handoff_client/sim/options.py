@@ -12,7 +12,10 @@ from handoff_client.sim.config import FaultProfile, SimConfig
 from handoff_client.transport import TRANSPORT_KINDS
 
 
-def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, defaults: SimConfig, *, own_coordinator: bool = False
+) -> None:
+    """The flags; ``own_coordinator`` adds the faults only a command that runs it can inject."""
     load, faults = defaults.load, defaults.faults
     group = parser.add_argument_group("load")
     group.add_argument(
@@ -117,6 +120,15 @@ def add_arguments(parser: argparse.ArgumentParser, defaults: SimConfig) -> None:
         default=faults.stuck_handlers,
         help="prefill or reserve handlers of one engine that hang until the run is over",
     )
+    if own_coordinator:
+        group.add_argument(
+            "--coordinator-crashes",
+            type=int,
+            default=faults.coordinator_crashes,
+            help="times the coordinator process is killed with SIGKILL mid-run and restarted "
+            "on the same port and state dir (0: never); the engines and the frontend ride "
+            "through, and the restarted coordinator recovers the handoffs from its journal",
+        )
     group.add_argument(
         "--no-faults", action="store_true", help="turn every fault off, whatever else is given"
     )
@@ -161,6 +173,9 @@ def config_from(args: argparse.Namespace, defaults: SimConfig) -> SimConfig:
         restart_at_fraction=defaults.faults.restart_at_fraction,
         stuck_handlers=args.stuck_handlers,
         stuck_at_fraction=defaults.faults.stuck_at_fraction,
+        # Only `handoff demo` has the flag: `handoff sim` does not run the coordinator.
+        coordinator_crashes=getattr(args, "coordinator_crashes", 0),
+        coordinator_crash_at_fraction=defaults.faults.coordinator_crash_at_fraction,
     )
     return replace(
         defaults,

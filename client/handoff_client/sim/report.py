@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 from handoff_client.model import Completion
+from handoff_client.sim.faults import CoordinatorCrash
 from handoff_client.sim.run import SimResult
 from handoff_client.sim.scrape import ServerMetrics
 
@@ -79,6 +80,10 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
             f"stuck handlers: {result.stuck_handlers}"
             + (f" on {result.stuck_engine}" if result.stuck_handlers else ""),
         ),
+    ]
+    if result.coordinator_crashes:
+        rows.append(("coordinator", _crashes(result.coordinator_crashes)))
+    rows += [
         (
             "sidecars",
             f"{s.handlers_run} handlers run, {s.answered_from_cache} redeliveries answered "
@@ -93,9 +98,35 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
         ),
     ]
     lines = ["", "summary"] + [f"{key:>{KEY_WIDTH}}: {value}" for key, value in rows]
-    lines += ["", "server /metrics", *_server_rows(metrics)]
+    lines += ["", _server_heading(metrics, result.coordinator_crashes), *_server_rows(metrics)]
     lines += ["", _verdict(result)]
     return "\n".join(lines)
+
+
+def _crashes(crashes: Sequence[CoordinatorCrash]) -> str:
+    def each(values: list[str]) -> str:
+        return " / ".join(values)
+
+    killed = ", ".join(str(c.killed_pid) for c in crashes)
+    return (
+        f"killed {len(crashes)}x with {each([str(c.in_flight) for c in crashes])} handoffs "
+        "in flight, restarted in "
+        f"{each([duration(c.restarted_in_s) for c in crashes])}, recovered "
+        f"{each([str(c.recovered) for c in crashes])} handoffs in "
+        f"{each([duration(c.recovery_s) for c in crashes])} (kill -9 of pid"
+        f"{'s' if len(crashes) > 1 else ''} {killed}; now pid {crashes[-1].pid})"
+    )
+
+
+def _server_heading(metrics: ServerMetrics | str, crashes: Sequence[CoordinatorCrash]) -> str:
+    if isinstance(metrics, str) or metrics.processes == 1:
+        return "server /metrics"
+    gap = max((c.scraped_before_s for c in crashes), default=0.0)
+    return (
+        f"server /metrics (counters summed over {metrics.processes} coordinator processes; "
+        f"a killed one's were scraped at most {duration(gap)} before its SIGKILL, and what it "
+        "counted in between is in neither; gauges are the running one's)"
+    )
 
 
 def _server_rows(metrics: ServerMetrics | str) -> list[str]:
@@ -104,8 +135,8 @@ def _server_rows(metrics: ServerMetrics | str) -> list[str]:
     completed = metrics.by_label("handoff_completed_total", "result")
     phases = metrics.by_label("handoff_handoffs", "phase")
     rejections = metrics.by_label("handoff_rejections_total", "code")
+    lines = [_started(metrics)]
     rows = [
-        ("started", metrics.total("handoff_started_total")),
         ("completed success", completed.get("success", 0.0)),
         ("completed canceled", completed.get("canceled", 0.0)),
         ("reopened", metrics.total("handoff_reopened_total")),
@@ -116,7 +147,7 @@ def _server_rows(metrics: ServerMetrics | str) -> list[str]:
         ("cleaning up now", phases.get("cleaning_up", 0.0)),
         ("facts from server", metrics.by_label("handoff_facts_total", "origin").get("server", 0.0)),
     ]
-    lines = [f"{key:>{KEY_WIDTH}}: {value:.0f}" for key, value in rows]
+    lines += [f"{key:>{KEY_WIDTH}}: {value:.0f}" for key, value in rows]
     lost = metrics.by_label("handoff_engines_lost_total", "cause")
     lines.append(
         f"{'engines lost':>{KEY_WIDTH}}: "
@@ -126,6 +157,23 @@ def _server_rows(metrics: ServerMetrics | str) -> list[str]:
     shown = ", ".join(f"{code} {n:.0f}" for code, n in sorted(rejections.items()) if n)
     lines.append(f"{'rejections':>{KEY_WIDTH}}: {shown or '0'}")
     return lines
+
+
+def _started(metrics: ServerMetrics) -> str:
+    """Handoffs the server started; after a restart, exactly, from the running process's figures.
+
+    A sum of counters would miss what the killed process started between its
+    last scrape and the kill; the journal misses nothing it committed.
+    """
+    key = f"{'started':>{KEY_WIDTH}}"
+    if metrics.processes == 1:
+        return f"{key}: {metrics.total('handoff_started_total'):.0f}"
+    recovered = metrics.latest("handoff_recovered_handoffs")
+    since = metrics.latest("handoff_started_total")
+    return (
+        f"{key}: {recovered + since:.0f} ({recovered:.0f} recovered from the journal "
+        f"at the last restart, {since:.0f} started since)"
+    )
 
 
 def _verdict(result: SimResult) -> str:

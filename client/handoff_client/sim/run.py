@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TextIO
 
 from handoff_client.client import HandoffClient
 from handoff_client.sidecar import SidecarStats
 from handoff_client.sim.cluster import Cluster
 from handoff_client.sim.config import SimConfig
+from handoff_client.sim.faults import CoordinatorCrash, CoordinatorCrasher
 from handoff_client.sim.frontend import Counters, Frontend, Journey, Notices
 from handoff_client.sim.leaks import LeakCheck, check_leaks
 from handoff_client.sim.progress import Progress
@@ -34,6 +35,7 @@ class SimResult:
     restarted: tuple[str, ...] = ()
     stuck_handlers: int = 0  # handlers that hung until the run was over
     stuck_engine: str | None = None
+    coordinator_crashes: tuple[CoordinatorCrash, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -41,12 +43,22 @@ class SimResult:
 
 
 async def simulate(
-    client: HandoffClient, config: SimConfig, progress_to: TextIO | None = None
+    client: HandoffClient,
+    config: SimConfig,
+    progress_to: TextIO | None = None,
+    *,
+    crasher: CoordinatorCrasher | None = None,
 ) -> SimResult:
     """Run ``config`` against the server behind ``client``, drawing progress on ``progress_to``.
 
+    ``crasher`` crashes and restarts the coordinator, when the config's
+    faults ask for coordinator crashes (it must be given then).
     Raises ConnectionError when the engines cannot subscribe to the server.
     """
+    if config.faults.coordinator_crashes and crasher is None:
+        raise ValueError(
+            "coordinator crashes need the coordinator's process (handoff demo runs it)"
+        )
     loop = asyncio.get_running_loop()
     rng = random.Random(config.seed)
     book = RequestBook()
@@ -75,6 +87,9 @@ async def simulate(
         asyncio.create_task(_restart(cluster, config)),
         asyncio.create_task(_stick(cluster, config)),
     ]
+    crashes: list[CoordinatorCrash] = []
+    if crasher is not None:
+        background.append(asyncio.create_task(_crash(crasher, config, frontend.counters, crashes)))
     if progress is not None:
         background.append(asyncio.create_task(progress.run()))
     try:
@@ -86,8 +101,13 @@ async def simulate(
     finally:
         for task in background:
             task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        ended = await asyncio.gather(*background, return_exceptions=True)
         await cluster.stop()
+    # A fault that could not be injected (a coordinator that did not come
+    # back) is no result: it is raised.
+    for outcome in ended:
+        if isinstance(outcome, Exception):
+            raise outcome
     total_s = loop.time() - began
     if progress is not None:
         progress.finish(total_s)
@@ -105,6 +125,7 @@ async def simulate(
         restarted=tuple(cluster.restarted),
         stuck_handlers=len(cluster.stuck_handoffs),
         stuck_engine=cluster.to_stick.engine_id if cluster.to_stick else None,
+        coordinator_crashes=tuple(crashes),
     )
 
 
@@ -137,3 +158,22 @@ async def _stick(cluster: Cluster, config: SimConfig) -> None:
         return
     await asyncio.sleep(_at(config, config.faults.stuck_at_fraction))
     cluster.stick()
+
+
+async def _crash(
+    crasher: CoordinatorCrasher,
+    config: SimConfig,
+    counters: Counters,
+    crashes: list[CoordinatorCrash],
+) -> None:
+    """Crash the coordinator ``coordinator_crashes`` times, the first at its fraction."""
+    faults = config.faults
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    first = faults.coordinator_crash_at_fraction
+    step = (1.0 - first) / faults.coordinator_crashes if faults.coordinator_crashes else 0.0
+    for index in range(faults.coordinator_crashes):
+        at = began + _at(config, first + index * step)
+        await asyncio.sleep(max(at - loop.time(), 0.0))
+        in_flight = counters.in_flight
+        crashes.append(replace(await crasher.crash(), in_flight=in_flight))
