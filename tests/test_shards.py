@@ -473,3 +473,30 @@ async def test_all_vectors_pass_through_three_shards(
         assert all(place(h, NAMES) == name for h in held), name
         assert 0 < len(held) <= placed[name]
         assert misrouted(server) == 0
+
+
+async def test_inspect_finds_a_handoff_on_the_shard_that_owns_it(
+    shards: list[Server], client: HandoffClient
+) -> None:
+    handoff_id = next(h for h in seeded_ids(100, seed=11) if place(h, NAMES) == "handoff-2")
+    await client.start_handoff(
+        handoff_id,
+        source_engine_id=SOURCE,
+        destination_engine_id=DESTINATION,
+        order=Order.SOURCE_FIRST,
+    )
+    for target, expected in ((handoff_id, 0), (str(uuid.uuid4()), 1)):
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "handoff_server.cli", "inspect", target),
+            *("--target", f"127.0.0.1:{shards[0].port}"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(TIMEOUT_S):
+            out, err = await process.communicate()
+        assert process.returncode == expected, err
+        if expected == 0:
+            assert f"handoff      {handoff_id}" in out.decode()
+            assert "#0 submit_prefill -> prefill-0" in out.decode()
+        else:
+            assert f"NOT_FOUND: handoff {target}" in err.decode()
