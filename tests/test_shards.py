@@ -182,6 +182,7 @@ async def three_shards(
             shard_ordinal=ordinal,
             shard_map=str(shard_map),
             placing_shards=placing[ordinal],
+            shard_name_prefix="handoff",  # not this machine's hostname
         )
         for ordinal, port in enumerate(ports)
     ]
@@ -399,7 +400,11 @@ async def test_the_client_follows_a_shard_that_comes_back_on_a_new_address(
             )
             await shards[1].stop()
             moved = await start_lean_server(
-                port=free_port(), shard_count=3, shard_ordinal=1, shard_map=str(shard_map)
+                port=free_port(),
+                shard_count=3,
+                shard_ordinal=1,
+                shard_map=str(shard_map),
+                shard_name_prefix="handoff",
             )
             addresses = json.loads(shard_map.read_text())
             addresses["handoff-1"] = f"127.0.0.1:{moved.port}"

@@ -59,6 +59,7 @@ class Shard:
                 *("--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port)),
                 *("--state-dir", str(self.state_dir), "--shard-map", str(self.shard_map)),
                 *("--shard-count", str(count), "--shard-ordinal", str(self.ordinal)),
+                *("--shard-name-prefix", "handoff"),  # not this machine's hostname
                 *("--placing-shards", str(placing)),
                 # No engine subscribes here: they must not be declared lost.
                 *("--delivery-timeout-s", "600"),
