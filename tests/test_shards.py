@@ -15,13 +15,14 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_client import HandoffClient, Order
+from handoff_client import HandoffClient, Order, routing
 from handoff_client import placement as placement_module
 from handoff_client.errors import MisroutedError, NotFoundError, error_for
 from handoff_client.placement import ShardInfo, ShardMap, place
@@ -30,7 +31,8 @@ from handoff_server import cli, serve
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from handoff_server.conformance import Vector
-from handoff_server.shards import ShardIdentity, ShardSettingsError
+from handoff_server.metrics import Metrics
+from handoff_server.shards import ShardIdentity, Shards, ShardSettingsError
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 from tests.grpc_support import DESTINATION, SOURCE, StreamRecorder
 from tests.support import LOST_VECTORS, VECTORS, all_vectors
@@ -505,3 +507,79 @@ async def test_inspect_finds_a_handoff_on_the_shard_that_owns_it(
             assert "#0 submit_prefill -> prefill-0" in out.decode()
         else:
             assert f"NOT_FOUND: handoff {target}" in err.decode()
+
+
+# --- the routing client's own rules ---------------------------------------------------
+
+
+async def test_an_older_coordinator_is_one_shard() -> None:
+    """GetShardMap UNIMPLEMENTED (a server from before shards): one shard, as before."""
+    asked: list[str] = []
+
+    async def get_handoff(
+        request: pb.GetHandoffRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetHandoffResponse:
+        asked.append(request.handoff_id)
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"handoff {request.handoff_id}: unknown")
+        raise AssertionError("abort raises")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "handoff.v1.HandoffCoordinator",
+                {
+                    "GetHandoff": grpc.unary_unary_rpc_method_handler(
+                        get_handoff,
+                        request_deserializer=pb.GetHandoffRequest.FromString,
+                        response_serializer=pb.GetHandoffResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    target = f"127.0.0.1:{port}"
+    handoff_id = str(uuid.uuid4())
+    try:
+        async with HandoffClient(target) as client, asyncio.timeout(TIMEOUT_S):
+            with pytest.raises(NotFoundError):
+                await client.get_handoff(handoff_id)
+            assert (await client.shard_map()).shards == (ShardInfo(target, target),)
+            assert client.owner_of(handoff_id) == target
+    finally:
+        await server.stop(None)
+    assert asked == [handoff_id]  # asked once: one shard, nowhere else to ask
+
+
+def test_a_bad_shard_map_file_keeps_the_last_good_one(tmp_path: Path) -> None:
+    path = tmp_path / "shards.json"
+    path.write_text(json.dumps({"handoff-0": "a:1", "handoff-1": "b:1"}))
+    settings = Settings(shard_count=2, shard_ordinal=0, shard_map=str(path))
+    shards = Shards(settings, ShardIdentity.resolve(settings, "host"), Metrics())
+    assert shards.shard_map().address("handoff-1") == "b:1"
+    path.write_text('{"handoff-0": "a:1", "handoff-1": ')  # caught mid-write
+    assert shards.shard_map().address("handoff-1") == "b:1"
+    path.write_text(json.dumps({"handoff-0": "a:1", "handoff-1": "c:2"}))
+    assert shards.shard_map().address("handoff-1") == "c:2"
+
+
+async def test_the_remembered_owners_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(routing, "OWNERS_REMEMBERED", 2)
+    shard_map = ShardMap.of((name, f"127.0.0.1:{free_port()}") for name in NAMES)
+    seed = grpc.aio.insecure_channel(shard_map.address("handoff-0"))
+    router = routing.Router(
+        seed,
+        "seed",
+        dial=grpc.aio.insecure_channel,
+        fetch=lambda: asyncio.sleep(0, shard_map),
+        explicit=shard_map,
+    )
+    ids = seeded_ids(3, seed=12)
+    for h in ids:
+        router.remember(h, "handoff-1")
+    assert router.owner(ids[0]) is None  # the oldest, forgotten: placed afresh
+    assert [router.owner(h) for h in ids[1:]] == ["handoff-1", "handoff-1"]
+    await router.close()
+    await seed.close(None)
