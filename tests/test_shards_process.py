@@ -6,7 +6,8 @@ the third draining (--placing-shards 2). Through both changes every
 in-flight handoff is finished where it started, a retried start is answered
 by its owner as already started, no report is refused, and new handoffs go
 only where the current placement puts them (a frontend still on the old map
-is redirected once, by the shard it asked).
+is redirected once, by the shard it asked). And one of three shards killed
+with -9 stops only its own handoffs, which finish once it is back.
 """
 
 from __future__ import annotations
@@ -206,3 +207,33 @@ async def test_ownership_is_sticky_when_the_shard_count_and_placing_change(tmp_p
                 for h in third:
                     assert await held_by(other, h) == place(h, NAMES[:2])
         assert sum(shard.misrouted() for shard in shards) <= 1
+
+
+@pytest.mark.timeout(300)
+async def test_one_shard_killed_leaves_the_others_flowing_and_recovers_its_own(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of handoff-1: the other shards' handoffs finish meanwhile, with no
+    error; handoff-1 comes back on its state dir and its handoffs finish too."""
+    rng = random.Random(21)
+    async with deployment(tmp_path) as shards:
+        await restart(shards, count=3)
+        async with (
+            HandoffClient(f"127.0.0.1:{shards[0].port}", retry=RETRY) as frontend,
+            asyncio.timeout(TIMEOUT_S),
+        ):
+            ids = new_ids(45, rng)
+            await start_all(frontend, ids)
+            on_killed = [h for h in ids if place(h, NAMES) == "handoff-1"]
+            elsewhere = [h for h in ids if h not in on_killed]
+            assert on_killed
+            assert elsewhere
+            shards[1].kill()
+            await asyncio.gather(*(finish(frontend, h) for h in elsewhere))
+            started = new_ids(30, rng)
+            placed_alive = [h for h in started if place(h, NAMES) != "handoff-1"]
+            assert not any(await start_all(frontend, placed_alive))
+            shards[1].start(3)
+            await shards[1].serving()
+            await asyncio.gather(*(finish(frontend, h) for h in on_killed))
+        assert sum(shard.misrouted() for shard in shards) == 0
