@@ -315,6 +315,7 @@ def test_every_status_has_its_exception() -> None:
             for cls in vars(errors).values()
             if isinstance(cls, type) and issubclass(cls, HandoffRpcError) and cls.code is code
         ]
-        # UNKNOWN: the base class too; FAILED_PRECONDITION: the two fencing refusals too.
-        expected = {grpc.StatusCode.UNKNOWN: 2, grpc.StatusCode.FAILED_PRECONDITION: 3}
+        # UNKNOWN: the base class too; FAILED_PRECONDITION: the two fencing
+        # refusals and the misrouted start too.
+        expected = {grpc.StatusCode.UNKNOWN: 2, grpc.StatusCode.FAILED_PRECONDITION: 4}
         assert len(classes) == expected.get(code, 1), code

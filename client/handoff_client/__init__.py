@@ -14,6 +14,9 @@
 Which module owns what:
 
 - ``client``: :class:`HandoffClient`, one typed call per RPC.
+- ``routing``: which shard each of its calls goes to (the shard map, the
+  owners it remembers); ``placement``: rendezvous placement of new ids and
+  :class:`ShardMap`, shared with the server.
 - ``sidecar``: :class:`EngineSidecar`: actions in, handlers run, reports out.
 - ``transport``: the seam between sidecar and coordinator, and the unary
   transport; ``connect``: the Connect transport (one stream per engine).
@@ -28,7 +31,12 @@ Which module owns what:
 
 from handoff_client.client import HandoffClient
 from handoff_client.connect import ConnectTransport
-from handoff_client.errors import HandoffRpcError, OlderIncarnationError, SessionConflictError
+from handoff_client.errors import (
+    HandoffRpcError,
+    MisroutedError,
+    OlderIncarnationError,
+    SessionConflictError,
+)
 from handoff_client.model import (
     ACCEPTED,
     APPLIED,
@@ -60,6 +68,7 @@ from handoff_client.model import (
     TransferTiming,
     failed,
 )
+from handoff_client.placement import ShardInfo, ShardMap
 from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.sidecar import (
     DestinationEngine,
@@ -99,6 +108,7 @@ __all__ = [
     "HandoffUpdate",
     "LifecycleEvent",
     "LifecycleEventKind",
+    "MisroutedError",
     "OlderIncarnationError",
     "Order",
     "Outcome",
@@ -107,6 +117,8 @@ __all__ = [
     "RetryPolicy",
     "Role",
     "SessionConflictError",
+    "ShardInfo",
+    "ShardMap",
     "SidecarStats",
     "SidecarTransport",
     "SourceEngine",

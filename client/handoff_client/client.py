@@ -8,13 +8,19 @@ idempotent too (the same id with the same parameters answers the handoff as it
 stands, flagged ``already_started``), so it is retried on UNAVAILABLE and on
 DEADLINE_EXCEEDED, each attempt with the whole deadline: an attempt whose
 answer was lost is answered by the next one.
+
+Sharded coordinators (docs/sharding.md): the client learns the shard map
+(routing.py) and sends a new handoff to the shard that wins it by rendezvous
+hashing (placement.py), later calls to the shard that answered its start;
+with one shard, every call takes the one channel as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -31,7 +37,13 @@ from handoff_client.convert import (
     outcome_to_pb,
 )
 from handoff_client.credentials import ChannelSecurity, PemSource
-from handoff_client.errors import error_for
+from handoff_client.errors import (
+    HandoffRpcError,
+    MisroutedError,
+    NotFoundError,
+    UnavailableError,
+    error_for,
+)
 from handoff_client.model import (
     Action,
     Canceled,
@@ -43,7 +55,9 @@ from handoff_client.model import (
     Outcome,
     Role,
 )
+from handoff_client.placement import ShardInfo, ShardMap
 from handoff_client.retry import RetryPolicy
+from handoff_client.routing import REFRESH_S, Router
 
 # Which failures each kind of call retries; a call retried on
 # DEADLINE_EXCEEDED gives every attempt the whole deadline.
@@ -52,6 +66,8 @@ RETRY_UNAVAILABLE_OR_DEADLINE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 )
 
+NO_RETRY: frozenset[grpc.StatusCode] = frozenset()
+
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 
@@ -59,9 +75,12 @@ ChannelOptions = Sequence[tuple[str, str | int]]
 
 
 class HandoffClient:
-    """An async client for one coordinator; use it with ``async with``.
+    """An async client for a coordinator, sharded or not; use it with ``async with``.
 
-    ``target`` is ``host:port``. TLS is on when ``tls=True`` or any certificate
+    ``target`` is ``host:port``: a coordinator, one shard of a sharded one, or
+    the Service in front of them; the client learns the shard map from it.
+    ``shards`` gives the map instead (``{"handoff-0": "host:port", ...}``, in
+    ordinal order, every shard placing). TLS is on when ``tls=True`` or any certificate
     is given (PEM bytes, or a path); ``tls_client_cert`` with
     ``tls_client_key`` makes it mutual. ``token`` is sent as
     ``authorization: Bearer <token>`` on every call.
@@ -80,6 +99,8 @@ class HandoffClient:
         token: str | None = None,
         channel_options: ChannelOptions = (),
         rng: random.Random | None = None,
+        shards: Mapping[str, str] | None = None,
+        shard_refresh_s: float = REFRESH_S,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
@@ -92,16 +113,27 @@ class HandoffClient:
         )
         credentials = security.channel_credentials()
         options = list(channel_options)
-        self._channel = (
-            grpc.aio.insecure_channel(target, options=options)
-            if credentials is None
-            else grpc.aio.secure_channel(target, credentials, options=options)
-        )
+
+        def dial(address: str) -> grpc.aio.Channel:
+            if credentials is None:
+                return grpc.aio.insecure_channel(address, options=options)
+            return grpc.aio.secure_channel(address, credentials, options=options)
+
+        self._channel = dial(target)
+        self._owns_channel = True
         self._stub = pb_grpc.HandoffCoordinatorStub(self._channel)
         self._metadata = security.metadata()
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         self._rng = rng or random.Random()
+        self._router = Router(
+            self._channel,
+            target,
+            dial=dial,
+            fetch=self._fetch_shard_map,
+            explicit=None if shards is None else ShardMap.of(shards.items()),
+            refresh_s=shard_refresh_s,
+        )
 
     async def __aenter__(self) -> Self:
         return self
@@ -117,7 +149,9 @@ class HandoffClient:
     async def close(self) -> None:
         # No grace: a caller closing the client is done with its calls, and a
         # grace period would keep long-lived streams open until it expired.
-        await self._channel.close(None)
+        await self._router.close()
+        if self._owns_channel:
+            await self._channel.close(None)
 
     async def wait_ready(self) -> None:
         """Until the channel is connected, e.g. after the server restarted.
@@ -125,6 +159,63 @@ class HandoffClient:
         Bound it with asyncio.timeout.
         """
         await self._channel.channel_ready()
+
+    # --- shards -------------------------------------------------------------
+
+    async def shard_map(self) -> ShardMap:
+        """The coordinator's shards, in ordinal order (learned now if not yet known)."""
+        return await self._router.shard_map()
+
+    def owner_of(self, handoff_id: str) -> str:
+        """The shard this client would send ``handoff_id``'s calls to (after ``shard_map()``).
+
+        The shard that answered its start when this client started it, else
+        the rendezvous winner among the placing shards.
+        """
+        return self._router.owner(handoff_id) or self._router.known.owner_of(handoff_id)
+
+    def for_shard(self, name: str) -> HandoffClient:
+        """A client for shard ``name`` alone, on this client's channel to it: no routing.
+
+        Close it when done (that leaves the shared channel open). Needs the
+        map known (``await client.shard_map()`` first).
+        """
+        shard = next((s for s in self._router.known.shards if s.name == name), None)
+        if shard is None:
+            raise KeyError(f"no shard named {name!r} in the map ({self._router.known.names})")
+        channel = self._router.channel(name) if self._router.sharded() else self._channel
+        bound = copy.copy(self)
+        bound._channel = channel
+        bound._owns_channel = False
+        bound._stub = pb_grpc.HandoffCoordinatorStub(channel)
+        bound._router = Router(
+            channel,
+            shard.address,
+            dial=lambda address: channel,
+            fetch=bound._fetch_shard_map,
+            explicit=ShardMap((ShardInfo(shard.name, shard.address, shard.placing),)),
+        )
+        return bound
+
+    async def _fetch_shard_map(self) -> ShardMap:
+        """GetShardMap from the given address; when it is down, from any shard known."""
+        try:
+            return await self._ask_shard_map(None)
+        except UnavailableError:
+            if not self._router.sharded():
+                raise
+            for name in self._router.known.names:
+                try:
+                    return await self._ask_shard_map(name)
+                except HandoffRpcError:
+                    continue
+            raise
+
+    async def _ask_shard_map(self, shard: str | None) -> ShardMap:
+        response: pb.GetShardMapResponse = await self._call(
+            "GetShardMap", pb.GetShardMapRequest(), None, retry=NO_RETRY, shard=shard
+        )
+        return ShardMap(tuple(ShardInfo(s.name, s.address, s.placing) for s in response.shards))
 
     # --- calls ------------------------------------------------------------
 
@@ -169,13 +260,7 @@ class HandoffClient:
         )
         # The caller's trace continues in the coordinator (with the otel extra).
         metadata = self._metadata + tracing.current_context_metadata()
-        response = await self._call(
-            self._stub.StartHandoff,
-            request,
-            timeout_s,
-            retry=RETRY_UNAVAILABLE_OR_DEADLINE,
-            metadata=metadata,
-        )
+        response = await self._start(handoff_id, request, timeout_s, metadata)
         return HandoffUpdate(
             handoff_from_pb(response.handoff),
             actions_from_pb(response.actions),
@@ -186,8 +271,8 @@ class HandoffClient:
         self, handoff_id: str, fact: Fact, *, timeout_s: float | None = None
     ) -> HandoffUpdate:
         request = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
-        response = await self._call(
-            self._stub.ReportFact, request, timeout_s, retry=RETRY_UNAVAILABLE
+        response: pb.ReportFactResponse = await self._routed(
+            "ReportFact", handoff_id, request, timeout_s
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
@@ -203,15 +288,15 @@ class HandoffClient:
         request = pb.ReportOutcomeRequest(
             handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
         )
-        response = await self._call(
-            self._stub.ReportOutcome, request, timeout_s, retry=RETRY_UNAVAILABLE
+        response: pb.ReportOutcomeResponse = await self._routed(
+            "ReportOutcome", handoff_id, request, timeout_s
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
     async def get_handoff(self, handoff_id: str, *, timeout_s: float | None = None) -> Handoff:
         request = pb.GetHandoffRequest(handoff_id=handoff_id)
-        response = await self._call(
-            self._stub.GetHandoff, request, timeout_s, retry=RETRY_UNAVAILABLE
+        response: pb.GetHandoffResponse = await self._routed(
+            "GetHandoff", handoff_id, request, timeout_s
         )
         return handoff_from_pb(response.handoff)
 
@@ -264,17 +349,91 @@ class HandoffClient:
         """
         return self._stub.Connect(requests, metadata=self._metadata)
 
+    # --- routing: which shard each call goes to --------------------------------
+
+    async def _start(
+        self,
+        handoff_id: str,
+        request: pb.StartHandoffRequest,
+        timeout_s: float | None,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> pb.StartHandoffResponse:
+        """At the rendezvous winner, or where an earlier attempt for the id went."""
+        retry = RETRY_UNAVAILABLE_OR_DEADLINE
+        shard_map = await self._router.shard_map()
+        if len(shard_map.shards) == 1:
+            single: pb.StartHandoffResponse = await self._call(
+                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata
+            )
+            return single
+        shard = self._router.owner(handoff_id) or shard_map.owner_of(handoff_id)
+        self._router.remember(handoff_id, shard)  # a retry goes where this attempt went
+        try:
+            response: pb.StartHandoffResponse = await self._call(
+                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata, shard=shard
+            )
+        except MisroutedError as refused:
+            # Our map is behind the shard's: learn it again, and go where it said, once.
+            self._router.stale()
+            if refused.owner not in (await self._router.shard_map()).names:
+                raise
+            shard = refused.owner
+            self._router.remember(handoff_id, shard)
+            response = await self._call(
+                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata, shard=shard
+            )
+        self._router.remember(handoff_id, response.shard or shard)
+        return response
+
+    async def _routed(
+        self, rpc: str, handoff_id: str, request: Request, timeout_s: float | None
+    ) -> Response:
+        """A call about one handoff, at its owner; NOT_FOUND there asks each other shard once."""
+        shard_map = await self._router.shard_map()
+        if len(shard_map.shards) == 1:
+            single: Response = await self._call(rpc, request, timeout_s, retry=RETRY_UNAVAILABLE)
+            return single
+        owner = self._router.owner(handoff_id) or shard_map.owner_of(handoff_id)
+        try:
+            response: Response = await self._call(
+                rpc, request, timeout_s, retry=RETRY_UNAVAILABLE, shard=owner
+            )
+            return response
+        except NotFoundError as not_found:
+            missing = not_found
+        for shard in shard_map.names:
+            if shard == owner:
+                continue
+            try:
+                response = await self._call(
+                    rpc, request, timeout_s, retry=RETRY_UNAVAILABLE, shard=shard
+                )
+            except NotFoundError:
+                continue
+            except HandoffRpcError:
+                self._router.remember(handoff_id, shard)  # it holds the handoff, and refused
+                raise
+            self._router.remember(handoff_id, shard)
+            return response
+        raise missing
+
     # --- the one path every unary call takes --------------------------------
 
     async def _call(
         self,
-        method: grpc.aio.UnaryUnaryMultiCallable[Request, Response],
+        rpc: str,
         request: Request,
         timeout_s: float | None,
         *,
         retry: frozenset[grpc.StatusCode],
         metadata: tuple[tuple[str, str], ...] | None = None,
+        shard: str | None = None,
     ) -> Response:
+        """``rpc`` on ``shard`` (None: the client's own channel), retried per ``retry``.
+
+        Each attempt dials the shard's address as the map has it then: a
+        shard that was unreachable may be back on a new address.
+        """
         loop = asyncio.get_running_loop()
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = loop.time() + budget
@@ -283,6 +442,9 @@ class HandoffClient:
         while True:
             if per_attempt:
                 deadline = loop.time() + budget
+            method: grpc.aio.UnaryUnaryMultiCallable[Request, Response] = getattr(
+                self._router.stub(shard), rpc
+            )
             try:
                 return await method(
                     request,
@@ -290,7 +452,11 @@ class HandoffClient:
                     metadata=self._metadata if metadata is None else metadata,
                 )
             except grpc.aio.AioRpcError as error:
+                if not retry:
+                    raise error_for(error) from error
                 failures += 1
+                if shard is not None and error.code() is grpc.StatusCode.UNAVAILABLE:
+                    self._router.stale()
                 delay = self.retry.backoff.delay_s(failures, self._rng)
                 if not (
                     error.code() in retry
@@ -299,3 +465,5 @@ class HandoffClient:
                 ):
                     raise error_for(error) from error
             await asyncio.sleep(delay)
+            if shard is not None:
+                await self._router.shard_map()  # refreshed if a failure made it due

@@ -87,6 +87,19 @@ class SessionConflictError(FailedPreconditionError):
     """
 
 
+class MisroutedError(FailedPreconditionError):
+    """A shard refused a StartHandoff for an id another shard owns (``handoff-owner``).
+
+    ``owner`` names that shard. A routing :class:`~handoff_client.HandoffClient`
+    refreshes its shard map and sends the start there once; seen by a caller,
+    it means the client's shard map and the server's disagree.
+    """
+
+    def __init__(self, details: str, owner: str) -> None:
+        super().__init__(details)
+        self.owner = owner
+
+
 class AbortedError(HandoffRpcError):
     code = grpc.StatusCode.ABORTED
 
@@ -155,18 +168,27 @@ _BY_FENCE: dict[str, type[HandoffRpcError]] = {
 }
 
 
+# Trailing metadata key of a StartHandoff refused by a shard that does not own the id.
+OWNER_KEY = "handoff-owner"
+
+
 def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
     """The typed exception for ``error``; raise it ``from error`` to keep the chain."""
     cls = _BY_CODE.get(error.code(), UnknownError)
+    details = error.details() or ""
     if cls is FailedPreconditionError:
         # The stubs give the sync API's tuple; on grpc.aio it is a Metadata mapping.
         trailers = cast("grpc.aio.Metadata | None", error.trailing_metadata())
-        fence = None if trailers is None else trailers.get(FENCE_KEY)
-        if isinstance(fence, bytes):
-            fence = fence.decode(errors="replace")
-        if fence is not None:
+        if (owner := _trailer(trailers, OWNER_KEY)) is not None:
+            return MisroutedError(details, owner)
+        if (fence := _trailer(trailers, FENCE_KEY)) is not None:
             cls = _BY_FENCE.get(fence, cls)
-    return cls(error.details() or "")
+    return cls(details)
+
+
+def _trailer(trailers: grpc.aio.Metadata | None, key: str) -> str | None:
+    value = None if trailers is None else trailers.get(key)
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def error_for_status(code: int, details: str) -> HandoffRpcError:

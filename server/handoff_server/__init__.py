@@ -32,6 +32,8 @@ The service, on grpc.aio:
   servicer awaits before it writes; ``recovery``: what a journal record means,
   and replaying a journal into a registry on start.
 - ``config``: the settings, each a flag and a HANDOFF_* variable.
+- ``shards``: this process's shard (name, ordinal, the placing shards), the
+  refusal of a start another shard owns, and the shard map it serves.
 - ``app``: the running server: wiring, timers loop, drain on stop.
 
 Commands (``handoff ...``):

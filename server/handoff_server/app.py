@@ -26,6 +26,7 @@ from handoff_server.quotas import Budget, Quotas
 from handoff_server.recovery import JournalRecorder, Recovery, ReplayClock, recover
 from handoff_server.registry import Clock, Registry
 from handoff_server.servicer import Servicer
+from handoff_server.shards import ShardIdentity, Shards, hostname
 
 log = logging.getLogger("handoff.server")
 
@@ -48,6 +49,7 @@ class Server:
         settings: Settings,
         clock: Clock | None = None,
         tracer: tracing.Tracer | None = None,
+        shard: ShardIdentity | None = None,
     ) -> None:
         self.settings = settings
         self.clock = clock if clock is not None else WallClock()
@@ -55,6 +57,12 @@ class Server:
         # the journal replays (recovery.py).
         self._replay_clock = ReplayClock(self.clock) if settings.state_dir else None
         self.metrics = Metrics()
+        # Resolved before anything starts: a shard that cannot say who it is must not serve.
+        self.shards = Shards(
+            settings,
+            shard if shard is not None else ShardIdentity.resolve(settings, hostname()),
+            self.metrics,
+        )
         self._timer_wakeup = asyncio.Event()
         # A tracer given (a test's) is its giver's to shut down; one made here is ours.
         self._own_tracer = tracer is None
@@ -144,10 +152,13 @@ class Server:
         )
         journal = self.journal
         if journal is None:
-            return Servicer(self.registry, self.metrics, subscription_headers=headers)
+            return Servicer(
+                self.registry, self.metrics, subscription_headers=headers, shards=self.shards
+            )
         return Servicer(
             self.registry,
             self.metrics,
+            shards=self.shards,
             durable=journal.durable,
             subscription_headers=headers,
             engine_incarnation=journal.engine,
@@ -195,6 +206,7 @@ class Server:
             self.port = server.add_secure_port(address, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC on {settings.host}:{settings.port}")
+        self.shards.port = self.port
         health_server = self._health_only_server() if settings.health_port >= 0 else None
         await server.start()
         self._grpc = server

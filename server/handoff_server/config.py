@@ -76,6 +76,28 @@ class Settings:
         "normal: a commit survives the process dying; full: also the machine (fsync per commit)",
         choices=("normal", "full"),
     )
+    # --- sharding (docs/sharding.md) --------------------------------------------
+    shard_count: int = _setting(1, "coordinator shards in all; 1 is a single coordinator")
+    shard_ordinal: int = _setting(
+        -1, "this shard's ordinal, 0 to shard_count-1; -1: the hostname's trailing -K"
+    )
+    shard_name_prefix: str = _setting(
+        "",
+        "shard names are PREFIX-K; '': the hostname without its trailing -K "
+        "(the StatefulSet's name), or 'handoff'",
+    )
+    shard_address_template: str = _setting(
+        "{name}.handoff-shards:{port}",
+        "the address clients dial for each shard; {name}, {ordinal} and {port} are filled in",
+    )
+    shard_map: str = _setting(
+        "",
+        "JSON file {name: host:port} of the shards' addresses, re-read when it changes; "
+        "overrides shard_address_template",
+    )
+    placing_shards: int = _setting(
+        0, "new handoffs are placed on shards 0 to this-1 only, the rest drain; 0: all"
+    )
     # --- security (README "Security"); file paths: "" means unset -------------
     tls_cert: str = _setting(
         "", "PEM certificate chain; with --tls-key the gRPC port speaks TLS only"
@@ -190,7 +212,23 @@ class Settings:
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        self._check_shards()
         self._check_security()
+
+    def _check_shards(self) -> None:
+        """The shard identity that can be checked without the hostname (shards.py)."""
+        if self.shard_count < 1:
+            raise ValueError(f"shard_count must be >= 1, got {self.shard_count}")
+        if not -1 <= self.shard_ordinal < self.shard_count:
+            raise ValueError(
+                f"shard_ordinal must be 0 to shard_count-1 ({self.shard_count - 1}), "
+                f"or -1 (from the hostname); got {self.shard_ordinal}"
+            )
+        if not 0 <= self.placing_shards <= self.shard_count:
+            raise ValueError(
+                f"placing_shards must be 1 to shard_count ({self.shard_count}), or 0 (all); "
+                f"got {self.placing_shards}"
+            )
 
     def _check_security(self) -> None:
         """Combinations that cannot work; the files themselves are read at start."""

@@ -1,4 +1,9 @@
-"""`handoff inspect ID --target HOST:PORT`: print one handoff in readable form."""
+"""`handoff inspect ID --target HOST:PORT`: print one handoff in readable form.
+
+The target may be any shard (or the Service in front of them): the SDK's
+routing client asks the shard that owns the id, and the others if that one
+does not know it (docs/sharding.md).
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,18 @@ import argparse
 import asyncio
 import sys
 from datetime import UTC, datetime
+from enum import Enum
 
-import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_client import HandoffClient
+from handoff_client.errors import HandoffRpcError
+from handoff_client.model import ActionKind, Handoff
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
         "inspect",
         help="show one handoff: phase, engines, outstanding actions, lifecycle",
-        description="Fetch one handoff with GetHandoff and print it.",
+        description="Fetch one handoff with GetHandoff, from the shard that owns it, and print it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("handoff_id", metavar="ID", help="the handoff's UUID")
@@ -30,62 +34,52 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     try:
         handoff = asyncio.run(_fetch(args.target, args.handoff_id, args.timeout))
-    except grpc.aio.AioRpcError as error:
-        print(f"handoff inspect: {error.code().name}: {error.details()}", file=sys.stderr)
+    except HandoffRpcError as error:
+        print(f"handoff inspect: {error}", file=sys.stderr)
         return 1
     print(render(handoff))
     return 0
 
 
-async def _fetch(target: str, handoff_id: str, deadline_s: float) -> pb.Handoff:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.HandoffCoordinatorStub(channel)
-        response = await stub.GetHandoff(
-            pb.GetHandoffRequest(handoff_id=handoff_id), timeout=deadline_s
-        )
-        return response.handoff
+async def _fetch(target: str, handoff_id: str, deadline_s: float) -> Handoff:
+    async with HandoffClient(target, timeout_s=deadline_s) as client:
+        return await client.get_handoff(handoff_id)
 
 
-def _name(enum_name: str, prefix: str) -> str:
-    return enum_name.removeprefix(prefix).lower()
+def _name(value: Enum | None) -> str:
+    return "-" if value is None else value.name.lower()
 
 
-def _time(stamp: Timestamp) -> str:
-    moment = datetime.fromtimestamp(stamp.ToNanoseconds() / 1e9, tz=UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def _time(moment: datetime | None) -> str:
+    if moment is None:
+        return "-"
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def render(handoff: pb.Handoff) -> str:
+def render(handoff: Handoff) -> str:
     """A handoff as aligned text, lifecycle with offsets from the start."""
-    started = handoff.started_at.ToNanoseconds() / 1e9
-    completion = (
-        _name(pb.Completion.Name(handoff.completion), "COMPLETION_") if handoff.completion else "-"
-    )
-    executor = _name(pb.Role.Name(handoff.transfer_executor), "ROLE_")
     lines = [
         f"handoff      {handoff.handoff_id}",
-        f"order        {_name(pb.HandoffOrder.Name(handoff.order), 'HANDOFF_ORDER_')}",
-        f"phase        {_name(pb.Phase.Name(handoff.phase), 'PHASE_')}",
-        f"completion   {completion}",
+        f"order        {_name(handoff.order)}",
+        f"phase        {_name(handoff.phase)}",
+        f"completion   {_name(handoff.completion)}",
         f"source       {handoff.source_engine_id}",
-        f"destination  {handoff.destination_engine_id}  (transfer executed by {executor})",
+        f"destination  {handoff.destination_engine_id}  "
+        f"(transfer executed by {_name(handoff.transfer_executor)})",
         f"started      {_time(handoff.started_at)}",
         f"deadline     {_time(handoff.deadline)}",
     ]
-    if handoff.HasField("completed_at"):
+    if handoff.completed_at is not None:
         lines.append(f"completed    {_time(handoff.completed_at)}")
     lines.append("lifecycle")
     for event in handoff.lifecycle:
-        offset_ms = (event.at.ToNanoseconds() / 1e9 - started) * 1000
-        kind = _name(pb.LifecycleEventKind.Name(event.kind), "LIFECYCLE_EVENT_KIND_")
-        lines.append(f"  +{offset_ms:10.1f} ms  {kind}")
+        started = handoff.started_at or event.at
+        offset_ms = (event.at - started).total_seconds() * 1000
+        lines.append(f"  +{offset_ms:10.1f} ms  {_name(event.kind)}")
     lines.append("outstanding" if handoff.outstanding_actions else "outstanding  none")
     for action in handoff.outstanding_actions:
-        kind = _name(pb.ActionKind.Name(action.kind), "ACTION_KIND_")
         delay = (
-            f" delay {action.delay_ms:.3f} ms"
-            if action.kind == pb.ACTION_KIND_START_TRANSFER
-            else ""
+            f" delay {action.delay_ms:.3f} ms" if action.kind is ActionKind.START_TRANSFER else ""
         )
-        lines.append(f"  #{action.id} {kind} -> {action.engine_id}{delay}")
+        lines.append(f"  #{action.id} {_name(action.kind)} -> {action.engine_id}{delay}")
     return "\n".join(lines)

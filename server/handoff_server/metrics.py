@@ -110,6 +110,18 @@ class Metrics:
             "How long this server's start spent replaying its journal.",
             registry=r,
         )
+        self.shard_info = Gauge(
+            "handoff_shard_info",
+            "1, labelled with the name of the shard this process is (docs/sharding.md).",
+            ["shard"],
+            registry=r,
+        )
+        self.misrouted_starts = Counter(
+            "handoff_misrouted_starts",
+            "StartHandoff calls refused because another shard owns the id (a client "
+            "routing on another shard map).",
+            registry=r,
+        )
         # Label children resolved once: .labels() costs a lock and a dict
         # lookup on every call, and these run on every handoff.
         self.completed_by = {c: self.completed.labels(c.value) for c in Completion}

@@ -117,6 +117,8 @@ SCOPES: Mapping[str, frozenset[str]] = {
     "read": frozenset({"GetHandoff"}),
 }
 ALL_SCOPES = frozenset(SCOPES)
+# Any token may ask where the shards are: a routing client of every kind needs it.
+ANY_SCOPE = frozenset({"GetShardMap"})
 TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -129,6 +131,8 @@ class Token:
 
     def may_call(self, rpc: str) -> bool:
         """``rpc`` is a coordinator method name; other services' calls need ``read``."""
+        if rpc in ANY_SCOPE:
+            return True
         needed = next((scope for scope, rpcs in SCOPES.items() if rpc in rpcs), "read")
         return needed in self.scopes
 

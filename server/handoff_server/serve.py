@@ -19,6 +19,7 @@ from collections.abc import Callable
 from handoff_server import config, logs
 from handoff_server.app import Server
 from handoff_server.journal import JournalError
+from handoff_server.shards import ShardIdentity, ShardSettingsError, hostname
 
 log = logging.getLogger("handoff.serve")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -45,6 +46,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     try:
         settings = config.from_arguments(args)
+        shard = ShardIdentity.resolve(settings, hostname())
     except ValueError as error:
         print(f"handoff serve: {error}", file=sys.stderr)
         return 2
@@ -57,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
         )
     try:
         with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
-            return runner.run(_serve(settings))
-    except JournalError as error:
+            return runner.run(_serve(settings, shard))
+    except (JournalError, ShardSettingsError) as error:
         log.error("cannot start: %s", error)
         return 2
     except OSError as error:
@@ -75,8 +77,8 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return None
 
 
-async def _serve(settings: config.Settings) -> int:
-    server = Server(settings)
+async def _serve(settings: config.Settings, shard: ShardIdentity) -> int:
+    server = Server(settings, shard=shard)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -31,6 +31,7 @@ from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
 from handoff_server.registry import CallResult, Registry
+from handoff_server.shards import Misrouted, Shards
 
 log = logging.getLogger("handoff.servicer")
 
@@ -78,9 +79,12 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         durable: Callable[[], Awaitable[None]] = _nothing_pending,
         subscription_headers: Sequence[tuple[str, str]] = (),
         engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
+        shards: Shards | None = None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
+        # None: a single coordinator, which owns every id.
+        self.shards = shards if shards is not None else Shards.single(metrics)
         # Awaited before anything is written to the network: with a journal,
         # nothing leaves before the commit that holds it (journal.py).
         self._durable = durable
@@ -106,6 +110,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             if isinstance(error, Fenced):
                 # The sidecar acts on why it was fenced, not on the message.
                 trailers = (("handoff-fence", error.fence.value),)
+            elif isinstance(error, Misrouted):
+                # The routing client follows the owner without parsing the message.
+                trailers = (("handoff-owner", error.owner),)
         else:
             code, reason = grpc.StatusCode.INTERNAL, f"internal error in {rpc}"
             log.error("unexpected failure in %s", rpc, exc_info=error, extra={"subject": subject})
@@ -136,13 +143,17 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             start = convert.start_request(request)
             if trace := _trace_context(context):
                 start = dataclasses.replace(start, trace_context=trace)
+            self.shards.check_start(start.handoff_id, start.handoff_id in self.registry.handoffs)
             result = self.registry.start(start)
             answer = Answer.of(result)
         except Exception as error:
             await self.refuse(context, "StartHandoff", _handoff_subject(request), error)
         await self.durably(context)
         return pb.StartHandoffResponse(
-            handoff=answer.handoff, actions=answer.actions, already_started=result.already_started
+            handoff=answer.handoff,
+            actions=answer.actions,
+            already_started=result.already_started,
+            shard=self.shards.identity.name,
         )
 
     async def ReportFact(
@@ -194,8 +205,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.GetShardMapRequest,
         context: grpc.aio.ServicerContext[pb.GetShardMapRequest, pb.GetShardMapResponse],
     ) -> pb.GetShardMapResponse:
-        # Declared in the proto ahead of its implementation (issue 13).
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "GetShardMap is not built yet")
+        shards = self.shards.shard_map().shards
+        return pb.GetShardMapResponse(
+            shards=[pb.Shard(name=s.name, address=s.address, placing=s.placing) for s in shards],
+            self=self.shards.identity.name,
+        )
 
     def _report_fact(self, request: pb.ReportFactRequest) -> CallResult:
         handoff_id = convert.handoff_id(request.handoff_id)
