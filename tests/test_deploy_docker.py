@@ -269,6 +269,9 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
         "HANDOFF_TLS_KEY": str(pki.server.key_path),
         "HANDOFF_DRAIN_GRACE_S": "2",
         "HANDOFF_LOG_FORMAT": "json",
+        # The image's state dir (/var/lib/handoff) is the pod's own volume;
+        # on this machine it would be shared with every other run.
+        "HANDOFF_STATE_DIR": str(tmp_path / "state"),
     }
     env = {
         k: v
