@@ -23,7 +23,7 @@ from handoff_client import (
     SidecarTransport,
     UnaryTransport,
 )
-from handoff_client.sidecar import SidecarStats
+from handoff_client.sidecar import EngineSidecar, SidecarStats
 from handoff_client.sim.cluster import Cluster
 from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
 from handoff_client.sim.faults import CoordinatorCrash
@@ -182,7 +182,7 @@ def journey(handoff_id: str, final: Handoff | None, *, finished: bool = True) ->
 async def test_the_leak_check_finds_held_blocks_and_unfinished_handoffs() -> None:
     config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)))
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
-        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
         decode = cluster.routable(EngineType.VLLM, Role.DESTINATION)[0].engine
         decode.pool.allocate("leaky", 40)
         journeys = [
@@ -255,15 +255,17 @@ async def test_the_fleet_uses_the_transport_asked_for(
 ) -> None:
     config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)), transport=transport)
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
-        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
-    assert {type(node.sidecar.transport) for node in cluster.nodes} == {expected}
+        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
+    sidecars = [node.sidecar for node in cluster.nodes]
+    assert all(isinstance(sidecar, EngineSidecar) for sidecar in sidecars)  # one shard
+    assert {type(s.transport) for s in sidecars if isinstance(s, EngineSidecar)} == {expected}
 
 
 async def test_a_dead_engine_never_takes_the_last_of_its_role() -> None:
     config = SimConfig(prefill_engines=1, decode_engines=1, faults=FaultProfile(dead_engines=1))
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:
         with pytest.raises(ValueError, match="keep one of each role"):
-            Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+            Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
 
 
 async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
@@ -277,7 +279,7 @@ async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
         faults=FaultProfile(restarted_engines=1),
     )
     async with HandoffClient(f"127.0.0.1:{server.port}") as client:
-        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
         [node] = cluster.to_restart
         old_engine, old_sidecar = node.engine, node.sidecar
         async with asyncio.timeout(TIMEOUT_S):
