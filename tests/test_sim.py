@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +129,57 @@ async def test_every_fault_at_small_scale_leaks_nothing(
     assert "leaked: 0 blocks" in render(result, metrics)
     # Every injected drop ended a live sidecar's stream, which reconnected.
     assert result.sidecars.reconnects >= result.stream_drops
+
+
+async def test_every_fault_against_three_shards_leaks_nothing(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # Three shards in this process (the demo's are processes: test_demo.py).
+    names = ("handoff-0", "handoff-1", "handoff-2")
+    ports = [free_port() for _ in names]
+    shard_map = tmp_path / "shards.json"
+    shard_map.write_text(
+        json.dumps({n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)})
+    )
+    shards = [
+        await start_server(
+            port=port,
+            shard_count=3,
+            shard_ordinal=ordinal,
+            shard_map=str(shard_map),
+            shard_name_prefix="handoff",  # not this machine's hostname
+            delivery_timeout_s=2.0,
+            cleanup_timeout_s=4.0,
+            cleanup_redelivery_s=0.1,
+        )
+        for ordinal, port in enumerate(ports)
+    ]
+    async with (
+        HandoffClient(f"127.0.0.1:{ports[0]}") as client,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        result = await simulate(client, EVERY_FAULT)
+        metrics = [
+            await scrape(f"http://127.0.0.1:{shard.metrics_port}/metrics") for shard in shards
+        ]
+    assert result.ok, render(result, metrics)
+    assert result.stream_drops > 0
+    assert len(result.killed) == len(result.restarted) == 1
+    # Each shard started the handoffs the frontend placed on it, and refused none.
+    by_shard = dict(result.handoffs_by_shard)
+    assert list(by_shard) == list(names)
+    assert sum(by_shard.values()) == result.counters.started == len(result.journeys)
+    for name, scraped in zip(names, metrics, strict=True):
+        assert scraped.total("handoff_started_total") == by_shard[name] > 0
+        assert scraped.total("handoff_misrouted_starts_total") == 0
+        assert scraped.by_label("handoff_handoffs", "phase")["active"] == 0
+    # Every engine is connected to every shard: the restarted one made each
+    # shard see its old incarnation lost.
+    for scraped in metrics:
+        assert scraped.by_label("handoff_engines_lost_total", "cause")["restarted"] == 1
+    summary = render(result, metrics)
+    assert "shards: handoff-0 " in summary
+    assert "3 shards, counters summed" in summary
 
 
 def test_a_pool_gives_back_exactly_what_it_took() -> None:
