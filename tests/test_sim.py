@@ -173,10 +173,13 @@ async def test_every_fault_against_three_shards_leaks_nothing(
         assert scraped.total("handoff_started_total") == by_shard[name] > 0
         assert scraped.total("handoff_misrouted_starts_total") == 0
         assert scraped.by_label("handoff_handoffs", "phase")["active"] == 0
-    # Every engine is connected to every shard: the restarted one made each
-    # shard see its old incarnation lost.
-    for scraped in metrics:
-        assert scraped.by_label("handoff_engines_lost_total", "cause")["restarted"] == 1
+    # The restarted engine came back on every shard under one new incarnation:
+    # a shard that had its unfinished handoffs declared the old one lost, once.
+    restarted = [
+        scraped.by_label("handoff_engines_lost_total", "cause").get("restarted", 0.0)
+        for scraped in metrics
+    ]
+    assert max(restarted) == 1
     summary = render(result, metrics)
     assert "shards: handoff-0 " in summary
     assert "3 shards, counters summed" in summary
