@@ -153,3 +153,25 @@ async def test_a_stop_that_outlasts_its_grace_kills(tmp_path: Path) -> None:
     code = await coordinator.stop(grace_s=0.5)
     assert code == -signal.SIGKILL
     assert not alive(pid)
+
+
+async def test_a_client_with_the_default_policy_rides_through_a_restart(tmp_path: Path) -> None:
+    """Kill -9, restart a second later: calls made meanwhile wait and are answered."""
+    coordinator = CoordinatorProcess("c", SETTINGS, tmp_path)
+    await coordinator.start()
+    try:
+        async with HandoffClient(coordinator.address) as client:
+            handoff_id = await start_one(client)
+            await coordinator.kill()
+            # Made while the coordinator is down: the client retries, and its
+            # channel notices the restarted process within a second.
+            read = asyncio.ensure_future(client.get_handoff(handoff_id))
+            started = asyncio.ensure_future(start_one(client))
+            await asyncio.sleep(1.0)  # the outage the calls must ride through
+            assert not read.done()
+            assert not started.done()
+            await coordinator.start()
+            assert (await read).phase is Phase.ACTIVE
+            await started
+    finally:
+        await coordinator.stop()

@@ -73,6 +73,14 @@ Response = TypeVar("Response")
 
 ChannelOptions = Sequence[tuple[str, str | int]]
 
+# gRPC's own reconnect backoff grows to 120 s: a coordinator back after a
+# restart of a few seconds would wait for the channel's next try. Capped,
+# the channel notices it within a second (the caller's options win).
+RECONNECT_OPTIONS: ChannelOptions = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
 
 class HandoffClient:
     """An async client for a coordinator, sharded or not; use it with ``async with``.
@@ -112,7 +120,8 @@ class HandoffClient:
             token=token,
         )
         credentials = security.channel_credentials()
-        options = list(channel_options)
+        given = {key for key, _ in channel_options}
+        options = [*(o for o in RECONNECT_OPTIONS if o[0] not in given), *channel_options]
 
         def dial(address: str) -> grpc.aio.Channel:
             if credentials is None:
@@ -236,7 +245,7 @@ class HandoffClient:
 
         ``handoff_timeout_s`` is the handoff's own deadline (server default when
         None); ``timeout_s`` is each attempt's. Retried on UNAVAILABLE and
-        DEADLINE_EXCEEDED up to ``retry.max_attempts`` times: when an earlier
+        DEADLINE_EXCEEDED per ``retry`` (for up to 15 s by default): when an earlier
         attempt reached the server, the answer has ``already_started`` set and
         no actions (they went to the engines' streams). ALREADY_EXISTS means
         the id is taken by a handoff with other parameters; the message names
@@ -437,6 +446,7 @@ class HandoffClient:
         loop = asyncio.get_running_loop()
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = loop.time() + budget
+        retry_until = loop.time() + self.retry.within_s
         per_attempt = grpc.StatusCode.DEADLINE_EXCEEDED in retry
         failures = 0
         while True:
@@ -461,6 +471,7 @@ class HandoffClient:
                 if not (
                     error.code() in retry
                     and failures < self.retry.max_attempts
+                    and loop.time() + delay < retry_until
                     and (per_attempt or loop.time() + delay < deadline)
                 ):
                     raise error_for(error) from error
