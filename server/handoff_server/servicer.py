@@ -49,6 +49,9 @@ MAX_OWED_BYTES = 256 * 1024
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
 TRACE_CONTEXT = ("traceparent", "tracestate")
+# Written on a stream that asked for heartbeats when it has been idle for the
+# heartbeat interval: the sidecar's lease counts from the last message it read.
+HEARTBEAT = pb.Action(kind=pb.ACTION_KIND_HEARTBEAT)
 
 
 def _shown(handoff_id: str) -> str:
@@ -186,8 +189,22 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.ReconcileRequest,
         context: grpc.aio.ServicerContext[pb.ReconcileRequest, pb.ReconcileResponse],
     ) -> pb.ReconcileResponse:
-        # Declared in the proto ahead of its implementation (issue 12).
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Reconcile is not built yet")
+        subject = f"engine {request.engine_id[:128]}"
+        try:
+            engine_id = security.authorize_engine(convert.engine_id(request.engine_id))
+            convert.incarnation(request.incarnation)
+            convert.session_id(request.session_id)
+            releases, lost_applied = self.registry.reconcile(
+                engine_id,
+                convert.held_sides(request.held, "held"),
+                convert.held_sides(request.freed, "freed"),
+            )
+        except Exception as error:
+            await self.refuse(context, "Reconcile", subject, error)
+        await self.durably(context)  # the EngineLost it reported are journaled first
+        return pb.ReconcileResponse(
+            releases=[convert.release(release) for release in releases], lost_applied=lost_applied
+        )
 
     async def GetShardMap(
         self,
@@ -224,11 +241,15 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Exception as error:
             await self.refuse(context, "StreamActions", "stream", error)
         engine_id = subscription.engine_id
+        heartbeat_s = self._heartbeat_s(request.heartbeats)
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
             await context.send_initial_metadata(self.subscription_headers)
-            while (batch := await self._next_batch(subscription, ready)) is not None:
+            while (batch := await self._next_batch(subscription, ready, heartbeat_s)) is not None:
+                if not batch:
+                    yield HEARTBEAT
+                    continue
                 await self.durably(context)
                 for dispatch in batch:
                     yield convert.action(dispatch)
@@ -249,16 +270,21 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             self._engine_incarnation(subscription.engine_id, incarnation)
         return subscription
 
+    def _heartbeat_s(self, asked: bool) -> float | None:
+        return self.registry.settings.heartbeat_interval_s if asked else None
+
     async def _next_batch(
-        self, subscription: Subscription, ready: asyncio.Event
+        self, subscription: Subscription, ready: asyncio.Event, heartbeat_s: float | None
     ) -> list[Dispatch] | None:
-        """Wait for work on ``subscription``; None once it has been replaced."""
+        """Wait for work on ``subscription``; None once it has been replaced, and
+        an empty batch when it stayed idle for ``heartbeat_s``."""
         while True:
             ready.clear()
             batch = self.registry.delivery.take(subscription, STREAM_BATCH)
             if batch is None or batch:
                 return batch
-            await ready.wait()
+            if await _stayed_idle(ready, heartbeat_s):
+                return []
 
     async def Connect(
         self,
@@ -275,6 +301,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Exception as error:
             await self.refuse(context, "Connect", "connect", error)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
+        heartbeat_s = self._heartbeat_s(hello.heartbeats)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
         )
@@ -299,7 +326,8 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                         # Everything before the refused message is acknowledged.
                         await self.refuse(context, "Connect", f"engine {hello.engine_id}", error)
                     return  # the engine half-closed and everything is acknowledged
-                await ready.wait()
+                if await _stayed_idle(ready, heartbeat_s):
+                    yield owed.heartbeat()
         finally:
             reader.cancel()
             self.registry.delivery.unsubscribe(subscription)
@@ -404,6 +432,12 @@ class Owed:
         self.acks += 1
         return ack
 
+    def heartbeat(self) -> pb.ConnectResponse:
+        """A heartbeat, packed as this stream's actions are."""
+        if self.batch:
+            return pb.ConnectResponse(actions=[HEARTBEAT])
+        return pb.ConnectResponse(action=HEARTBEAT)
+
     def responses(self, dispatches: list[Dispatch]) -> list[pb.ConnectResponse]:
         """The messages to write now: every ack owed so far, then ``dispatches``."""
         messages = list(self._messages)
@@ -432,6 +466,23 @@ class Answer:
     @classmethod
     def of(cls, result: CallResult) -> Answer:
         return cls(convert.handoff(result.entry), [convert.action(d) for d in result.actions])
+
+
+async def _stayed_idle(ready: asyncio.Event, heartbeat_s: float | None) -> bool:
+    """Wait until ``ready``; True if ``heartbeat_s`` passed first (time for a heartbeat).
+
+    Only a stream with nothing to write waits here, so a busy stream never
+    gets a heartbeat, and one never delays or reorders an action.
+    """
+    if heartbeat_s is None:
+        await ready.wait()
+        return False
+    try:
+        async with asyncio.timeout(heartbeat_s):
+            await ready.wait()
+    except TimeoutError:
+        return True
+    return False
 
 
 def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
