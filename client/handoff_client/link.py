@@ -98,8 +98,8 @@ class CoordinatorLink:
         self.ended = asyncio.Event()  # stopped on its own (fenced)
         self.fenced: OlderIncarnationError | None = None
         self._freed: set[Side] = set()  # freed on its own since the last reconcile
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._reconciling: asyncio.Task[None] | None = None
+        self._reconciling: asyncio.Task[None] | None = None  # the latest
+        self._background: set[asyncio.Task[None]] = set()  # reconciles not done yet
         self._lease: asyncio.Task[None] | None = None
         self.reconnects = self.conflicts = 0
         self.lease_expiries = self.freed_on_lease = self.orphans_reclaimed = 0
@@ -116,10 +116,9 @@ class CoordinatorLink:
         try:
             await self._run(on_action)
         finally:
-            for task in (self._reconciling, self._lease, *self._tasks):
-                if task is not None:
-                    task.cancel()
-            tasks = [t for t in (self._reconciling, self._lease, *self._tasks) if t is not None]
+            tasks = [*self._background, *([self._lease] if self._lease else [])]
+            for task in tasks:
+                task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.subscribed.clear()
 
@@ -183,15 +182,25 @@ class CoordinatorLink:
         transport = self._transport
         if not isinstance(transport, LeasedTransport):
             return
-        if self._reconciling is not None:
-            self._reconciling.cancel()  # its stream is gone; this one reconciles afresh
-        self._reconciling = asyncio.create_task(self._reconcile(transport))
+        self._start_reconcile(transport)
         if self._lease is None and transport.liveness.heartbeat_s is not None:
             self._lease = asyncio.create_task(self._run_lease(transport))
 
     # --- reconcile ---------------------------------------------------------------
 
-    async def _reconcile(self, transport: LeasedTransport) -> None:
+    def _start_reconcile(self, transport: LeasedTransport) -> None:
+        # After the one before, never instead of it: a reconcile may be freeing
+        # sides, and a cancel handler must not be cut off half-way.
+        task = asyncio.create_task(self._reconcile(transport, self._reconciling))
+        self._reconciling = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reconcile(
+        self, transport: LeasedTransport, after: asyncio.Task[None] | None
+    ) -> None:
+        if after is not None:
+            await asyncio.wait([after])
         held, freed = self._holder.held(), sorted(self._freed, key=_order)
         try:
             answer = await transport.reconcile(
@@ -255,6 +264,12 @@ class CoordinatorLink:
                 continue
             lease = lease_s(delivery_timeout_s)
             silent_s = time.monotonic() - last
+            if expired_for is not None and last != expired_for:
+                # Heard again after the lease fired, maybe on the very stream
+                # that went silent (a healed cut): tell the coordinator now
+                # what was freed, rather than at the next subscription.
+                expired_for = None
+                self._start_reconcile(transport)
             if silent_s < lease:
                 await asyncio.sleep(lease - silent_s)
             elif last != expired_for:

@@ -571,7 +571,9 @@ class EngineSidecar:
             async with side.freeing(), self._cleanup_slots:
                 if self._stopping:
                     return
-                outcome = await self._run_handler(action)
+                # Freed on its own (lease, orphan, notice): the engine's cancel
+                # ran once already, and the side was closed since.
+                outcome = NOOP if side.freed_here else await self._run_handler(action)
             if outcome is None:
                 return  # unacknowledged: the server redelivers it
             self._cache.put(action.handoff_id, action.id, outcome)
@@ -675,7 +677,7 @@ class EngineSidecar:
         )
         log.info("%s: running %s", why, kind.name, extra=self._log_extra(cancel))
         async with side.freeing(), self._cleanup_slots:
-            await self._run_handler(cancel)
+            side.freed_here = await self._run_handler(cancel) is not None
 
     async def _free_everything(self) -> None:
         """Fenced: free, through the engine's cancel handlers, every side it may hold."""
