@@ -106,6 +106,11 @@ class CoordinatorLink:
         self.reconciles = 0
 
     @property
+    def freed_unreported(self) -> int:
+        """Sides freed on its own that the next reconcile will report."""
+        return len(self._freed)
+
+    @property
     def _extra(self) -> dict[str, object]:
         return {"engine_id": self.engine_id, "incarnation": self.incarnation}
 

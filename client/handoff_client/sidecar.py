@@ -63,6 +63,7 @@ from handoff_client.errors import (
     NotFoundError,
     OlderIncarnationError,
 )
+from handoff_client.facts import Facts as Facts  # re-exported: engines import it from here
 from handoff_client.ledger import Ledger, Side
 from handoff_client.link import CoordinatorLink
 from handoff_client.model import (
@@ -71,17 +72,10 @@ from handoff_client.model import (
     NOOP,
     Action,
     ActionKind,
-    Canceled,
     Completion,
-    DestinationReserved,
-    Fact,
-    Failed,
     Outcome,
     OutcomeKind,
     Role,
-    SourceHeld,
-    TransferCompleted,
-    TransferTiming,
     outcome_allowed,
 )
 from handoff_client.outbox import Outbox
@@ -103,39 +97,6 @@ def new_incarnation() -> str:
     Sortable by start time, so the server can tell a newer one from an older one.
     """
     return f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(8)}"
-
-
-class Facts:
-    """What an engine reports on its own initiative.
-
-    Each call returns once the server has the fact, after every outcome and
-    fact the engine produced earlier for the same handoff. Report the fact
-    that follows an action (SourceHeld after SubmitPrefill, ...) after that
-    action's handler has returned, e.g. from a task the handler started.
-    A final rejection raises a :class:`~handoff_client.errors.HandoffRpcError`.
-    """
-
-    def __init__(self, outbox: Outbox, transport: SidecarTransport) -> None:
-        self._outbox = outbox
-        self._transport = transport
-
-    async def source_held(self, handoff_id: str, timing: TransferTiming) -> None:
-        await self._report(handoff_id, SourceHeld(timing))
-
-    async def destination_reserved(self, handoff_id: str, transferable_prompt_tokens: int) -> None:
-        await self._report(handoff_id, DestinationReserved(transferable_prompt_tokens))
-
-    async def transfer_completed(self, handoff_id: str) -> None:
-        await self._report(handoff_id, TransferCompleted())
-
-    async def failed(self, handoff_id: str, reason: str) -> None:
-        await self._report(handoff_id, Failed(reason))
-
-    async def canceled(self, handoff_id: str, reason: str) -> None:
-        await self._report(handoff_id, Canceled(reason))
-
-    async def _report(self, handoff_id: str, fact: Fact) -> None:
-        await self._outbox.send(handoff_id, lambda: self._transport.report_fact(handoff_id, fact))
 
 
 class SourceEngine(Protocol):
@@ -269,6 +230,7 @@ class SidecarStats:
     orphans_reclaimed: int = 0  # sides freed because the coordinator no longer knew them
     lease_expiries: int = 0  # times the lease expired with the coordinator silent
     freed_on_lease: int = 0  # sides freed when the lease expired
+    freed_unreported: int = 0  # sides freed on its own that no reconcile has told a coordinator
 
 
 class EngineSidecar:
@@ -372,6 +334,7 @@ class EngineSidecar:
             orphans_reclaimed=self._link.orphans_reclaimed,
             lease_expiries=self._link.lease_expiries,
             freed_on_lease=self._link.freed_on_lease,
+            freed_unreported=self._link.freed_unreported,
         )
 
     async def wait_subscribed(self) -> None:
