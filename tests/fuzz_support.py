@@ -237,6 +237,15 @@ class Fuzzer:
             return pb.GetHandoffRequest(handoff_id=handoff_id)
         if method == "StreamActions":
             return pb.StreamActionsRequest(engine_id=engine_id)
+        if method == "Reconcile":
+            sides = [
+                pb.HeldSide(
+                    handoff_id=handoff_id, role=s.choice((pb.ROLE_SOURCE, pb.ROLE_DESTINATION))
+                )
+                for _ in range(s.integer(0, 3))
+            ]
+            split = s.integer(0, len(sides))
+            return pb.ReconcileRequest(engine_id=engine_id, held=sides[:split], freed=sides[split:])
         kind = s.choice(("hello", "fact", "outcome"))
         if kind == "hello":
             return pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id))
