@@ -36,8 +36,8 @@ class Settings:
     )
     heartbeat_s: float = _setting(
         0.0,
-        "send a heartbeat on an engine's stream idle this long, to the sidecars that ask, "
-        "in seconds; 0: a fifth of delivery_timeout_s",
+        "an engine's stream idle this long gets a heartbeat (sidecars that ask run their "
+        "lease on them), in seconds; 0: a fifth of delivery_timeout_s",
     )
     cleanup_timeout_s: float = _setting(
         300.0, "abandon a handoff still cleaning up after this long, in seconds"

@@ -241,19 +241,23 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Exception as error:
             await self.refuse(context, "StreamActions", "stream", error)
         engine_id = subscription.engine_id
-        heartbeat_s = self._heartbeat_s(request.heartbeats)
+        beat = self._heartbeat(request.heartbeats, ready)
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
             await context.send_initial_metadata(self.subscription_headers)
-            while (batch := await self._next_batch(subscription, ready, heartbeat_s)) is not None:
+            while (batch := await self._next_batch(subscription, ready, beat)) is not None:
                 if not batch:
                     yield HEARTBEAT
                     continue
                 await self.durably(context)
                 for dispatch in batch:
                     yield convert.action(dispatch)
+                if beat is not None:
+                    beat.written = True
         finally:
+            if beat is not None:
+                beat.stop()
             self.registry.delivery.unsubscribe(subscription)
             log.info("engine stream ended", extra={"engine_id": engine_id})
 
@@ -270,21 +274,24 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             self._engine_incarnation(subscription.engine_id, incarnation)
         return subscription
 
-    def _heartbeat_s(self, asked: bool) -> float | None:
-        return self.registry.settings.heartbeat_interval_s if asked else None
+    def _heartbeat(self, asked: bool, ready: asyncio.Event) -> Heartbeat | None:
+        if not asked:
+            return None
+        return Heartbeat(ready, self.registry.settings.heartbeat_interval_s)
 
     async def _next_batch(
-        self, subscription: Subscription, ready: asyncio.Event, heartbeat_s: float | None
+        self, subscription: Subscription, ready: asyncio.Event, beat: Heartbeat | None
     ) -> list[Dispatch] | None:
         """Wait for work on ``subscription``; None once it has been replaced, and
-        an empty batch when it stayed idle for ``heartbeat_s``."""
+        an empty batch when a heartbeat is due."""
         while True:
             ready.clear()
             batch = self.registry.delivery.take(subscription, STREAM_BATCH)
             if batch is None or batch:
                 return batch
-            if await _stayed_idle(ready, heartbeat_s):
+            if beat is not None and beat.take():
                 return []
+            await ready.wait()
 
     async def Connect(
         self,
@@ -301,7 +308,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Exception as error:
             await self.refuse(context, "Connect", "connect", error)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
-        heartbeat_s = self._heartbeat_s(hello.heartbeats)
+        beat = self._heartbeat(hello.heartbeats, ready)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
         )
@@ -318,6 +325,8 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                     await self.durably(context)
                     for response in responses:
                         yield response
+                    if beat is not None:
+                        beat.written = True
                     continue
                 if reader.done():
                     try:
@@ -326,9 +335,13 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                         # Everything before the refused message is acknowledged.
                         await self.refuse(context, "Connect", f"engine {hello.engine_id}", error)
                     return  # the engine half-closed and everything is acknowledged
-                if await _stayed_idle(ready, heartbeat_s):
+                if beat is not None and beat.take():
                     yield owed.heartbeat()
+                    continue
+                await ready.wait()
         finally:
+            if beat is not None:
+                beat.stop()
             reader.cancel()
             self.registry.delivery.unsubscribe(subscription)
             log.info("engine disconnected", extra={"engine_id": hello.engine_id})
@@ -456,6 +469,45 @@ class Owed:
         return messages
 
 
+class Heartbeat:
+    """When an idle stream that asked for heartbeats is owed one.
+
+    A timer ticks every half interval; a tick that finds nothing written
+    since the one before marks a heartbeat due and wakes the writer. So one
+    follows at most an interval after the stream's last message; a stream
+    with anything to write never gets one, and one never delays or reorders
+    an action (the writer sends it only where it would otherwise wait). Its
+    cost is a timer per half interval per stream, not one per wait.
+    """
+
+    __slots__ = ("written", "_due", "_ready", "_half_s", "_timer")
+
+    def __init__(self, ready: asyncio.Event, interval_s: float) -> None:
+        self.written = True  # set by the writer after each message
+        self._due = False
+        self._ready = ready
+        self._half_s = interval_s / 2
+        self._timer = asyncio.get_running_loop().call_later(self._half_s, self._tick)
+
+    def _tick(self) -> None:
+        if not self.written:
+            self._due = True
+            self._ready.set()
+        self.written = False
+        self._timer = asyncio.get_running_loop().call_later(self._half_s, self._tick)
+
+    def take(self) -> bool:
+        """Whether to send a heartbeat now; once per one due."""
+        if not self._due:
+            return False
+        self._due = False
+        self.written = True
+        return True
+
+    def stop(self) -> None:
+        self._timer.cancel()
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """What every call returns: the handoff after it, and the actions it caused."""
@@ -466,23 +518,6 @@ class Answer:
     @classmethod
     def of(cls, result: CallResult) -> Answer:
         return cls(convert.handoff(result.entry), [convert.action(d) for d in result.actions])
-
-
-async def _stayed_idle(ready: asyncio.Event, heartbeat_s: float | None) -> bool:
-    """Wait until ``ready``; True if ``heartbeat_s`` passed first (time for a heartbeat).
-
-    Only a stream with nothing to write waits here, so a busy stream never
-    gets a heartbeat, and one never delays or reorders an action.
-    """
-    if heartbeat_s is None:
-        await ready.wait()
-        return False
-    try:
-        async with asyncio.timeout(heartbeat_s):
-            await ready.wait()
-    except TimeoutError:
-        return True
-    return False
 
 
 def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
