@@ -27,7 +27,7 @@ from handoff_client import (
 )
 from handoff_client.link import lease_s
 from handoff_client.transport import make_transport
-from tests.conftest import StartServer
+from tests.conftest import StartServer, free_port
 from tests.lease_support import BLOCKS, BlackHoleProxy, BlockEngine, until
 from tests.sidecar_support import DESTINATION, QUICK, SOURCE, running, start
 
@@ -193,6 +193,19 @@ async def test_a_cut_shorter_than_the_lease_frees_nothing(
     assert not [a for a in prefill.calls + decode.calls if a.attempt == 0]
 
 
-async def test_no_lease_before_the_first_subscription(client: HandoffClient) -> None:
-    sidecar = EngineSidecar(client, SOURCE, BlockEngine(), reconnect_backoff=QUICK)
-    assert sidecar.stats.lease_expiries == 0
+async def test_no_lease_before_the_first_subscription() -> None:
+    """A sidecar that never reached a coordinator has heard no delivery timeout:
+    what its surviving engine holds stays held (nothing says it should go)."""
+    engine = BlockEngine()
+    side = (str(uuid.uuid4()), Role.SOURCE)
+    engine.blocks[side] = BLOCKS
+    engine.surviving = [side]
+    async with (
+        HandoffClient(f"127.0.0.1:{free_port()}", timeout_s=0.5) as nowhere,
+        EngineSidecar(nowhere, SOURCE, engine, reconnect_backoff=QUICK) as sidecar,
+    ):
+        await until(lambda: sidecar.stats.reconnects >= 3)
+        await asyncio.sleep(1.0)  # twice the shortest lease there could be
+        assert sidecar.stats.lease_expiries == 0
+    assert engine.blocks[side] == BLOCKS
+    assert engine.calls == []
