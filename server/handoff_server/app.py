@@ -149,6 +149,7 @@ class Server:
             ("handoff-coordinator-incarnation", str(self.incarnation)),
             ("handoff-recovered", "true" if recovered else "false"),
             ("handoff-delivery-timeout-ms", str(round(self.settings.delivery_timeout_s * 1000))),
+            ("handoff-heartbeat-ms", str(round(self.settings.heartbeat_interval_s * 1000))),
         )
         journal = self.journal
         if journal is None:

@@ -23,14 +23,15 @@ delivery, retention, entries and timers.
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import logging
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from handoff_server.config import Settings
 from handoff_server.core import Handoff
@@ -78,7 +79,15 @@ FACT_KIND = {
     "Canceled": "canceled",
     "EngineLost": "engine_lost",
 }
+LOST_BECAUSE = {
+    "restarted": "restarted under a new incarnation",
+    "reconciled": "its sidecar freed these sides on its own (lease or orphan)",
+}
 SIDE_OF = {Role.SOURCE: Side.SOURCE, Role.DESTINATION: Side.DESTINATION}
+LOST_EVENT = {
+    Role.SOURCE: LifecycleEvent.SOURCE_LOST,
+    Role.DESTINATION: LifecycleEvent.DESTINATION_LOST,
+}
 ROLE_OF_SIDE = {side: role for role, side in SIDE_OF.items()}
 NOOP = Outcome(OutcomeKind.NOOP)
 
@@ -96,6 +105,21 @@ class Recorder(Protocol):
 
     def drop(self, handoff_id: str) -> None:
         """The handoff left the registry (its retention expired, or it was evicted)."""
+
+
+class ReleaseReason(enum.Enum):
+    """Why an engine should free a side it holds (Reconcile)."""
+
+    UNKNOWN_HANDOFF = "unknown_handoff"  # never started here, forgotten, or not its side
+    CANCELED = "canceled"  # completed CANCELED: nothing is owed to anyone
+    SUCCEEDED_AS_SOURCE = "succeeded_as_source"  # completed SUCCESS: the source is done
+    ENGINE_LOST = "engine_lost"  # this engine was declared lost in it
+
+
+class Release(NamedTuple):
+    handoff_id: str
+    role: Role
+    reason: ReleaseReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +291,54 @@ class Registry:
         if lost:
             self._lose(engine_id, lost, cause="restarted")
         return subscription
+
+    def reconcile(
+        self, engine_id: str, held: Iterable[tuple[str, Role]], freed: Iterable[tuple[str, Role]]
+    ) -> tuple[list[Release], int]:
+        """What ``engine_id``'s sidecar should stop holding, after telling it what it freed.
+
+        For each ``held`` side: a :class:`Release` when the engine should free
+        it (see :class:`ReleaseReason`); the others go on. For each ``freed``
+        side of an unfinished handoff in which this engine plays that role:
+        EngineLost, as a server fact (the engine's memory for it is gone, and
+        nobody would report anything for it again). Returns the releases and
+        how many EngineLost were reported. Freed sides are applied first, so
+        a side both freed and held is answered as lost.
+        """
+        now = self.clock()
+        self.retention.expire(now)
+        lost: dict[str, set[Role]] = {}
+        for handoff_id, role in freed:
+            entry = self.handoffs.get(handoff_id)
+            if (
+                isinstance(entry, Entry)
+                and entry.abandoned_at is None
+                and entry.core.phase is not Phase.COMPLETE
+                and _engine_of(entry, role) == engine_id
+                and LOST_EVENT[role] not in entry.core.lifecycle
+            ):
+                lost.setdefault(handoff_id, set()).add(role)
+        self._lose(engine_id, lost, cause="reconciled")
+        releases = []
+        for handoff_id, role in held:
+            reason = self._release_reason(engine_id, handoff_id, role)
+            if reason is not None:
+                releases.append(Release(handoff_id, role, reason))
+        return releases, sum(len(roles) for roles in lost.values())
+
+    def _release_reason(self, engine_id: str, handoff_id: str, role: Role) -> ReleaseReason | None:
+        entry = self.handoffs.get(handoff_id)
+        if entry is None or _engine_of(entry, role) != engine_id:
+            return ReleaseReason.UNKNOWN_HANDOFF
+        core = entry.core
+        if LOST_EVENT[role] in core.lifecycle:
+            return ReleaseReason.ENGINE_LOST
+        if core.phase is Phase.COMPLETE:
+            if core.completion is Completion.CANCELED:
+                return ReleaseReason.CANCELED
+            if role is Role.SOURCE:
+                return ReleaseReason.SUCCEEDED_AS_SOURCE
+        return None
 
     # --- time ---------------------------------------------------------------
 
@@ -560,9 +632,8 @@ class Registry:
             self.metrics.engines_lost_by[cause].inc()
             log.warning(
                 "engine lost (%s): reporting EngineLost in its %d unfinished handoffs",
-                "restarted under a new incarnation"
-                if cause == "restarted"
-                else f"no live stream for {self.settings.delivery_timeout_s:.1f} s",
+                LOST_BECAUSE.get(cause)
+                or f"no live stream for {self.settings.delivery_timeout_s:.1f} s",
                 len(affected),
                 extra={"engine_id": engine_id},
             )
@@ -675,6 +746,10 @@ class Registry:
 
 
 ENGINE_TIMERS = frozenset({TimerKind.UNREACHABLE, TimerKind.FORGET})
+
+
+def _engine_of(entry: Entry | Retained, role: Role) -> str:
+    return entry.source_engine_id if role is Role.SOURCE else entry.destination_engine_id
 
 
 def _same_start(known: Entry | Retained, request: StartRequest, timeout_s: float) -> None:
