@@ -83,6 +83,8 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
             for round_ in range(args.rounds):
                 for path, batch in (("stream", True), ("unary", False)):
+                    if path not in args.paths:
+                        continue
                     for mode in MODES:
                         say(f"round {round_ + 1}: {path}, journal {mode}")
                         spec = replace(base, path=path, batch=batch)
@@ -97,6 +99,8 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         "|---|---|---:|---:|---:|---:|",
     ]
     for path in ("stream", "unary"):
+        if path not in args.paths:
+            continue
         off = cpu_per_handoff(results[(path, "off")])
         for mode in MODES:
             runs = results[(path, mode)]
@@ -267,6 +271,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (< 30 s)")
     parser.add_argument("--only", default="overhead,soak,recovery", help="parts, comma-separated")
+    parser.add_argument("--paths", default="stream,unary", help="overhead paths, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
     parser.add_argument("--duration-s", type=float, default=15.0, help="each measured window")
     parser.add_argument("--concurrency", type=int, default=128, help="handoffs in flight")
