@@ -10,6 +10,8 @@ engine. Then both go on with the same calls and must stay equal.
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,8 @@ from hypothesis import strategies as st
 from handoff_server import convert
 from handoff_server.config import Settings
 from handoff_server.delivery import Role, Subscription
-from handoff_server.entries import Entry, StartRequest
-from handoff_server.journal import Journal
+from handoff_server.entries import Entry, Retained, StartRequest
+from handoff_server.journal import DATABASE, Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     ActionKind,
@@ -43,7 +45,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
+from handoff_server.recovery import RETAINED, JournalRecorder, ReplayClock, recover
 from handoff_server.registry import Registry
 
 COMPLETE = ActionKind.COMPLETE
@@ -179,6 +181,15 @@ def test_a_recovered_registry_equals_the_one_that_crashed(data: st.DataObject) -
             if data.draw(st.booleans()):
                 first.journal.commit_now()  # a commit in between, as the writer does
         first.journal.commit_now()
+        # A retained handoff's history is one snapshot record (late calls that
+        # changed nothing are journaled after it, and replay through it).
+        with sqlite3.connect(state_dir / DATABASE) as db:
+            kept = db.execute("SELECT handoff_id, body FROM records ORDER BY seq").fetchall()
+        for handoff_id, entry in first.registry.handoffs.items():
+            if isinstance(entry, Retained):
+                kinds = [json.loads(body)[0] for h, body in kept if h == handoff_id]
+                assert kinds[0] == RETAINED
+                assert "start" not in kinds
         incarnation = first.journal.incarnation
         first.journal.close_now()  # the crash: nothing but the file survives
         first.registry.recorder = None  # it goes on in memory, as if it had not crashed

@@ -103,6 +103,9 @@ class Recorder(Protocol):
 
     def abandoned(self, handoff_id: str, at: float) -> None: ...
 
+    def completed(self, retained: Retained, at: float) -> None:
+        """The handoff completed: one record of it as retained replaces its history."""
+
     def drop(self, handoff_id: str) -> None:
         """The handoff left the registry (its retention expired, or it was evicted)."""
 
@@ -232,6 +235,7 @@ class Registry:
             now,
             now + timeout,
         )
+        entry.trace_context = request.trace_context
         self.handoffs[request.handoff_id] = entry
         self.metrics.started.inc()
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
@@ -584,7 +588,11 @@ class Registry:
                 self.metrics.duration_by[completion].observe(now - entry.started_at)
             # The core forgot its journal: nothing is outstanding any more.
             self._drop_routed(entry)
-            self.retention.keep(Retained(entry))
+            retained = Retained(entry)
+            if self.recorder is not None:
+                # Before keep(): an eviction of this very handoff drops the snapshot too.
+                self.recorder.completed(retained, now)
+            self.retention.keep(retained)
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
@@ -711,6 +719,15 @@ class Registry:
         entry = self.handoffs[handoff_id]
         assert isinstance(entry, Entry), "only a handoff still cleaning up is abandoned"
         self._abandon(entry, self.clock())
+
+    def restore(self, retained: Retained) -> bool:
+        """Keep a completed handoff as a journal snapshot brought it back
+        (recovery); False if its id is taken, and nothing changed."""
+        if retained.handoff_id in self.handoffs:
+            return False
+        self.metrics.handoffs_by[Phase.COMPLETE].inc()
+        self.retention.keep(retained)
+        return True
 
     def _forgotten(self, handoff_id: str) -> None:
         if self.recorder is not None:
