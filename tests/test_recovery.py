@@ -325,3 +325,26 @@ def test_after_recovery_a_restarted_engine_is_told_from_one_that_reconnects(
         assert entry.core.phase is Phase.ACTIVE
         assert [(d.action.kind, d.attempt) for d in sent] == [(ActionKind.SUBMIT_PREFILL, 2)]
     second.journal.close_now()
+
+
+def test_a_side_settled_unsent_is_not_sent_after_recovery(tmp_path: Path) -> None:
+    """The server settles a cleanup for a side whose engine never got anything
+    (no stream when its action was issued). A replay counts every action as
+    written, so the journal says which side was settled unsent: after
+    recovery that engine is not sent the ReserveDestination it never had,
+    for a handoff nobody will cancel it in again."""
+    clock = FakeClock()
+    first = World(tmp_path, clock)
+    r = first.registry
+    r.start(StartRequest("h", Order.SOURCE_FIRST, "prefill-a", "decode-a", 0.0))
+    r.report_outcome("h", 0, Outcome(OutcomeKind.SUBMITTED))
+    r.report_fact("h", SourceHeld(TIMINGS[0]))  # ReserveDestination#1 waits for decode-a
+    r.report_fact("h", Canceled())  # CancelDestination settled: decode-a never had anything
+    first.journal.commit_now()
+    first.journal.close_now()
+    first.registry.recorder = None
+    second = World(tmp_path, clock)
+    assert state(second.registry) == state(first.registry)
+    for world in (first, second):
+        stream = world.registry.subscribe("decode-a", lambda: None)
+        assert world.registry.delivery.take(stream, 100) == []

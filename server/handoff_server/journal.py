@@ -56,7 +56,9 @@ from typing import Any
 log = logging.getLogger("handoff.journal")
 
 # 2: a completed handoff's history is replaced by one snapshot record
-# (recovery.encode_retained). A version 1 file holds no snapshots, and reads as is.
+# (recovery.encode_retained), and a side settled without ever being sent
+# anything is a record of its own (recovery.FORSAKEN). A version 1 file holds
+# neither, and reads as is.
 FORMAT_VERSION = 2
 DATABASE = "journal.sqlite3"
 LOCK = "lock"

@@ -90,6 +90,7 @@ TAKE_ALL = 1 << 30
 STAND_IN_SESSION = "journal-recovery"
 ABANDONED = "abandoned"  # a record of its own: the cleanup timer's doing, not a call's
 RETAINED = "retained"  # a completed handoff whole: it replaced the handoff's history
+FORSAKEN = "forsaken"  # a side's actions that never reached its engine, owed no more
 SIMPLE_FACTS: dict[str, Fact] = {
     "transfer_completed": TransferCompleted(),
     "failed": Failed(),
@@ -283,6 +284,9 @@ class JournalRecorder:
     def completed(self, retained: Retained, at: float) -> None:
         self.journal.replace(retained.handoff_id, at, encode_retained(retained))
 
+    def forsaken(self, handoff_id: str, at: float, role: Role, engine_id: str) -> None:
+        self.journal.append(handoff_id, at, [FORSAKEN, role.value, engine_id])
+
     def drop(self, handoff_id: str) -> None:
         self.journal.drop(handoff_id)
 
@@ -380,6 +384,9 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
                     _trace_again(tracer, completed)
                 if not registry.restore(Retained(completed)):
                     skipped += 1
+                continue
+            if kind == FORSAKEN:
+                delivery.forsake(record.handoff_id, Role(record.body[1]), record.body[2])
                 continue
             if kind == ABANDONED:
                 if isinstance(registry.handoffs.get(record.handoff_id), Entry):

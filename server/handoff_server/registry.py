@@ -106,6 +106,9 @@ class Recorder(Protocol):
     def completed(self, retained: Retained, at: float) -> None:
         """The handoff completed: one record of it as retained replaces its history."""
 
+    def forsaken(self, handoff_id: str, at: float, role: Role, engine_id: str) -> None:
+        """Nothing for ``role`` was ever sent to ``engine_id``: none of it is owed."""
+
     def drop(self, handoff_id: str) -> None:
         """The handoff left the registry (its retention expired, or it was evicted)."""
 
@@ -521,6 +524,10 @@ class Registry:
         there is nothing to free. Its queued actions are never sent, and the
         server reports the cleanup's outcome NOOP itself, rather than owe it."""
         self.delivery.forsake(entry.handoff_id, role, engine_id)
+        if self.recorder is not None:
+            # A replay counts every action as written, so it would not settle:
+            # the journal says what was never sent, and owed to no one.
+            self.recorder.forsaken(entry.handoff_id, self.clock(), role, engine_id)
         handoff_id, action_id = entry.handoff_id, action.id
 
         def settle() -> None:
