@@ -16,7 +16,10 @@ In one run:
 - **Recovery.** A journal holding ``--live`` handoffs mid-flight and
   ``--retained`` completed ones, written by a registry on a clock that stands
   still (so nothing expires while it is built), then opened and replayed as
-  `handoff serve --state-dir` does at start: lock, quick_check, replay.
+  `handoff serve --state-dir` does at start: lock, quick_check, replay. Two
+  such journals side by side, replayed alternately by this server: one as
+  format 1 wrote it (every retained handoff its whole history) and one with
+  format 2's snapshots (a retained handoff one record).
 
 Run: .venv/bin/python -m bench.journal [--quick] [--live N --retained N]
 """
@@ -39,7 +42,7 @@ from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, say
 from handoff_server.config import Settings
-from handoff_server.entries import StartRequest
+from handoff_server.entries import Retained, StartRequest
 from handoff_server.journal import DATABASE, Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
@@ -55,6 +58,7 @@ from handoff_server.model import (
 from handoff_server.recovery import JournalRecorder, ReplayClock, recover
 from handoff_server.registry import Registry
 
+WAYS = {"history (format 1)": False, "snapshots (format 2)": True}
 MODES = {"off": (), "normal": ("--durability", "normal"), "full": ("--durability", "full")}
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1024, 1024, 10.0)
 
@@ -79,6 +83,8 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
             for round_ in range(args.rounds):
                 for path, batch in (("stream", True), ("unary", False)):
+                    if path not in args.paths:
+                        continue
                     for mode in MODES:
                         say(f"round {round_ + 1}: {path}, journal {mode}")
                         spec = replace(base, path=path, batch=batch)
@@ -93,6 +99,8 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         "|---|---|---:|---:|---:|---:|",
     ]
     for path in ("stream", "unary"):
+        if path not in args.paths:
+            continue
         off = cpu_per_handoff(results[(path, "off")])
         for mode in MODES:
             runs = results[(path, mode)]
@@ -185,16 +193,26 @@ def journal_bytes(state_dir: Path) -> tuple[int, int]:
     return count, (pages - free) * size
 
 
-def build(state_dir: Path, live: int, retained: int) -> tuple[float, int]:
-    """A journal of ``live`` handoffs mid-flight and ``retained`` complete; its size."""
+class HistoryOnly(JournalRecorder):
+    """The recorder as format 1 had it: a completed handoff keeps its history."""
+
+    def completed(self, retained: Retained, at: float) -> None:
+        pass
+
+
+def build(state_dir: Path, live: int, retained: int, snapshots: bool) -> int:
+    """A journal of ``live`` handoffs mid-flight and ``retained`` complete; its size.
+
+    Without ``snapshots`` it is what format 1 wrote: every retained handoff
+    kept as its whole history.
+    """
     now = [time.time()]
     journal = Journal.open(state_dir)
     clock = ReplayClock(lambda: now[0])
     settings = Settings(max_active_handoffs=live + 1, max_retained=retained + 1)
     registry = Registry(settings, Metrics(), clock)
     recover(journal, registry, clock)
-    registry.recorder = JournalRecorder(journal)
-    began = time.monotonic()
+    registry.recorder = (JournalRecorder if snapshots else HistoryOnly)(journal)
     applied = Outcome(OutcomeKind.APPLIED)
     for i in range(retained + live):
         h = str(uuid.UUID(int=i + 1))
@@ -213,35 +231,47 @@ def build(state_dir: Path, live: int, retained: int) -> tuple[float, int]:
             journal.commit_now()
     journal.commit_now()
     journal.close_now()
-    return time.monotonic() - began, journal.size_bytes()
+    return journal.size_bytes()
 
 
 def recovery(args: argparse.Namespace, state: Path) -> list[str]:
-    state_dir = state / "recovery"
-    say(f"recovery: writing {args.live:,} live + {args.retained:,} retained handoffs")
-    _, size = build(state_dir, args.live, args.retained)
-    say("recovery: replaying")
-    began = time.monotonic()
-    journal = Journal.open(state_dir)
-    opened = time.monotonic() - began
-    clock = ReplayClock(time.time)
-    registry = Registry(Settings(), Metrics(), clock)
-    result = recover(journal, registry, clock)
-    total = time.monotonic() - began
-    journal.close_now()
-    return [
-        f"Recovery of {args.live:,} live + {args.retained:,} retained handoffs "
-        f"({result.records:,} records, {size / 2**20:,.1f} MiB on disk): "
-        f"{total:.2f} s in all, of which {opened:.2f} s opening (lock, quick_check) and "
-        f"{result.seconds:.2f} s replaying ({result.records / result.seconds:,.0f} records/s); "
-        f"{result.total:,} handoffs back, {result.skipped} records skipped.",
+    """Both journals written, then each replayed as the server starts, alternating."""
+    sizes: dict[str, int] = {}
+    for way, snapshots in WAYS.items():
+        say(f"recovery: writing {args.live:,} live + {args.retained:,} retained ({way})")
+        sizes[way] = build(state / f"recovery-{way}", args.live, args.retained, snapshots)
+    lines = [
+        f"Recovery of {args.live:,} live + {args.retained:,} retained handoffs, as "
+        "`handoff serve --state-dir` starts (lock, quick_check, replay):",
+        "",
+        "| journal | round | records | on disk | wall s | CPU s | opening s | handoffs back |"
+        " skipped |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    for round_ in range(args.recovery_rounds):
+        for way in WAYS:
+            say(f"recovery: replaying ({way}), round {round_ + 1}")
+            wall, cpu = time.monotonic(), time.process_time()
+            journal = Journal.open(state / f"recovery-{way}")
+            opened = time.monotonic() - wall
+            clock = ReplayClock(time.time)
+            registry = Registry(Settings(), Metrics(), clock)
+            result = recover(journal, registry, clock)
+            wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+            journal.close_now()
+            lines.append(
+                f"| {way} | {round_ + 1} | {result.records:,} | {sizes[way] / 2**20:,.1f} MiB | "
+                f"{wall:.2f} | {cpu:.2f} | {opened:.2f} | {result.total:,} | {result.skipped} |"
+            )
+            del registry, journal
+    return lines
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (< 30 s)")
     parser.add_argument("--only", default="overhead,soak,recovery", help="parts, comma-separated")
+    parser.add_argument("--paths", default="stream,unary", help="overhead paths, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per mode")
     parser.add_argument("--duration-s", type=float, default=15.0, help="each measured window")
     parser.add_argument("--concurrency", type=int, default=128, help="handoffs in flight")
@@ -249,6 +279,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=1, help="load processes")
     parser.add_argument("--live", type=int, default=100_000, help="live handoffs to recover")
     parser.add_argument("--retained", type=int, default=100_000, help="retained to recover")
+    parser.add_argument("--recovery-rounds", type=int, default=2, help="replays of each journal")
     parser.add_argument("--soak-s", type=float, default=600.0, help="soak duration")
     parser.add_argument("--soak-rate", type=float, default=100.0, help="soak handoffs/s")
     parser.add_argument("--soak-retention-s", type=float, default=30.0, help="soak retention")
@@ -256,7 +287,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration_s, args.concurrency = 1, 1.0, 32
-        args.live, args.retained = 500, 500
+        args.live, args.retained, args.recovery_rounds = 500, 500, 1
         args.soak_s, args.soak_rate, args.soak_retention_s = 6.0, 50.0, 1.0
     return args
 

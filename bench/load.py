@@ -183,7 +183,9 @@ class StreamEngine(Engine):
     def __init__(self, stub: Stub, engine_id: str, book: Book, batch: bool) -> None:
         super().__init__(stub, engine_id, book)
         self.batch = batch
-        self.hello = pb.ConnectHello(engine_id=engine_id, batch=batch, lean_acks=batch)
+        self.hello = pb.ConnectHello(
+            engine_id=engine_id, batch=batch, lean_acks=batch, heartbeats=True
+        )
         self.pending = pb.ConnectRequest()  # batched: the reports of the next message
         self.singles: deque[pb.ConnectRequest] = deque()  # unbatched: one message each
         self.wake = asyncio.Event()
@@ -277,7 +279,9 @@ class UnaryEngine(Engine):
 
     def __init__(self, stub: Stub, engine_id: str, book: Book) -> None:
         super().__init__(stub, engine_id, book)
-        self.call = stub.StreamActions(pb.StreamActionsRequest(engine_id=engine_id))
+        self.call = stub.StreamActions(
+            pb.StreamActionsRequest(engine_id=engine_id, heartbeats=True)
+        )
         self.reports: set[asyncio.Task[None]] = set()
         self.reader: asyncio.Task[None] | None = None
 

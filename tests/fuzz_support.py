@@ -33,10 +33,7 @@ from handoff_server.app import Server
 T = TypeVar("T")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"]
-# Reconcile (issue 12) is declared ahead of its servicer method; it joins
-# the fuzzed set when it is built.
-NOT_BUILT_YET = frozenset({"Reconcile"})
-METHODS = {method.name: method for method in SERVICE.methods if method.name not in NOT_BUILT_YET}
+METHODS = {method.name: method for method in SERVICE.methods}
 PREFIX = f"/{SERVICE.full_name}/"
 # Answers a fuzzed call may get. INTERNAL and UNKNOWN never: they mean a bug.
 REFUSALS = frozenset(
@@ -239,6 +236,15 @@ class Fuzzer:
             return pb.GetShardMapRequest()
         if method == "StreamActions":
             return pb.StreamActionsRequest(engine_id=engine_id)
+        if method == "Reconcile":
+            sides = [
+                pb.HeldSide(
+                    handoff_id=handoff_id, role=s.choice((pb.ROLE_SOURCE, pb.ROLE_DESTINATION))
+                )
+                for _ in range(s.integer(0, 3))
+            ]
+            split = s.integer(0, len(sides))
+            return pb.ReconcileRequest(engine_id=engine_id, held=sides[:split], freed=sides[split:])
         kind = s.choice(("hello", "fact", "outcome"))
         if kind == "hello":
             return pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id))

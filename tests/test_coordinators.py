@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import uuid
 from pathlib import Path
 
@@ -153,3 +154,50 @@ async def test_a_stop_that_outlasts_its_grace_kills(tmp_path: Path) -> None:
     code = await coordinator.stop(grace_s=0.5)
     assert code == -signal.SIGKILL
     assert not alive(pid)
+
+
+async def test_a_client_with_the_default_policy_rides_through_a_restart(tmp_path: Path) -> None:
+    """Kill -9, restart a second later: calls made meanwhile wait and are answered."""
+    coordinator = CoordinatorProcess("c", SETTINGS, tmp_path)
+    await coordinator.start()
+    try:
+        async with HandoffClient(coordinator.address) as client:
+            handoff_id = await start_one(client)
+            await coordinator.kill()
+            # Made while the coordinator is down: the client retries, and its
+            # channel notices the restarted process within a second.
+            read = asyncio.ensure_future(client.get_handoff(handoff_id))
+            started = asyncio.ensure_future(start_one(client))
+            await asyncio.sleep(1.0)  # the outage the calls must ride through
+            assert not read.done()
+            assert not started.done()
+            await coordinator.start()
+            assert (await read).phase is Phase.ACTIVE
+            await started
+    finally:
+        await coordinator.stop()
+
+
+async def test_a_second_coordinator_on_a_taken_port_refuses_to_start(tmp_path: Path) -> None:
+    """Without SO_REUSEPORT: it would otherwise bind too and take part of the connections."""
+    first = CoordinatorProcess("first", SETTINGS, tmp_path)
+    await first.start()
+    try:
+        second = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "handoff_server.cli",
+            "serve",
+            "--host=127.0.0.1",
+            f"--port={first.port}",
+            "--metrics-port=-1",
+            "--health-port=-1",
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(second.communicate(), timeout=60)
+        assert second.returncode == 1
+        assert f"cannot bind gRPC on 127.0.0.1:{first.port}: in use" in stderr.decode()
+        async with HandoffClient(first.address, retry=ONCE) as client:
+            await start_one(client)  # the first one still serves
+    finally:
+        await first.stop()

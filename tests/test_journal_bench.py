@@ -26,4 +26,6 @@ def test_quick_journal_bench_prints_its_tables() -> None:
             assert f"| {path} | {mode} |" in run.stdout, run.stdout
     assert "Soak with the journal on" in run.stdout
     assert "Recovery of 500 live + 500 retained handoffs" in run.stdout
-    assert "1,000 handoffs back, 0 records skipped" in run.stdout
+    for journal in ("history (format 1)", "snapshots (format 2)"):
+        assert f"| {journal} | 1 |" in run.stdout, run.stdout
+        assert "| 1,000 | 0 |" in run.stdout, run.stdout  # handoffs back, records skipped

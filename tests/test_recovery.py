@@ -10,6 +10,8 @@ engine. Then both go on with the same calls and must stay equal.
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,8 @@ from hypothesis import strategies as st
 from handoff_server import convert
 from handoff_server.config import Settings
 from handoff_server.delivery import Role, Subscription
-from handoff_server.entries import Entry, StartRequest
-from handoff_server.journal import Journal
+from handoff_server.entries import Entry, Retained, StartRequest
+from handoff_server.journal import DATABASE, Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
     ActionKind,
@@ -43,7 +45,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
+from handoff_server.recovery import RETAINED, JournalRecorder, ReplayClock, recover
 from handoff_server.registry import Registry
 
 COMPLETE = ActionKind.COMPLETE
@@ -179,6 +181,15 @@ def test_a_recovered_registry_equals_the_one_that_crashed(data: st.DataObject) -
             if data.draw(st.booleans()):
                 first.journal.commit_now()  # a commit in between, as the writer does
         first.journal.commit_now()
+        # A retained handoff's history is one snapshot record (late calls that
+        # changed nothing are journaled after it, and replay through it).
+        with sqlite3.connect(state_dir / DATABASE) as db:
+            kept = db.execute("SELECT handoff_id, body FROM records ORDER BY seq").fetchall()
+        for handoff_id, entry in first.registry.handoffs.items():
+            if isinstance(entry, Retained):
+                kinds = [json.loads(body)[0] for h, body in kept if h == handoff_id]
+                assert kinds[0] == RETAINED
+                assert "start" not in kinds
         incarnation = first.journal.incarnation
         first.journal.close_now()  # the crash: nothing but the file survives
         first.registry.recorder = None  # it goes on in memory, as if it had not crashed
@@ -314,3 +325,26 @@ def test_after_recovery_a_restarted_engine_is_told_from_one_that_reconnects(
         assert entry.core.phase is Phase.ACTIVE
         assert [(d.action.kind, d.attempt) for d in sent] == [(ActionKind.SUBMIT_PREFILL, 2)]
     second.journal.close_now()
+
+
+def test_a_side_settled_unsent_is_not_sent_after_recovery(tmp_path: Path) -> None:
+    """The server settles a cleanup for a side whose engine never got anything
+    (no stream when its action was issued). A replay counts every action as
+    written, so the journal says which side was settled unsent: after
+    recovery that engine is not sent the ReserveDestination it never had,
+    for a handoff nobody will cancel it in again."""
+    clock = FakeClock()
+    first = World(tmp_path, clock)
+    r = first.registry
+    r.start(StartRequest("h", Order.SOURCE_FIRST, "prefill-a", "decode-a", 0.0))
+    r.report_outcome("h", 0, Outcome(OutcomeKind.SUBMITTED))
+    r.report_fact("h", SourceHeld(TIMINGS[0]))  # ReserveDestination#1 waits for decode-a
+    r.report_fact("h", Canceled())  # CancelDestination settled: decode-a never had anything
+    first.journal.commit_now()
+    first.journal.close_now()
+    first.registry.recorder = None
+    second = World(tmp_path, clock)
+    assert state(second.registry) == state(first.registry)
+    for world in (first, second):
+        stream = world.registry.subscribe("decode-a", lambda: None)
+        assert world.registry.delivery.take(stream, 100) == []

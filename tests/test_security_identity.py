@@ -245,6 +245,27 @@ async def test_an_engine_acts_only_for_itself_and_its_own_handoffs(callers: Call
     assert denials == {"StreamActions": 1, "ReportOutcome": 2, "ReportFact": 1, "Connect": 2}
 
 
+async def test_an_engine_reconciles_only_as_itself(callers: Callers) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
+        ours = (await callers.frontend.StartHandoff(start_request())).handoff.handoff_id
+        await outcome(callers.prefill, ours, 0, SUBMITTED)
+        before = await snapshot(callers.frontend, ours)
+        # The prefill cannot free (nor report lost) the decode's side.
+        as_decode = pb.ReconcileRequest(
+            engine_id=DECODE, freed=[pb.HeldSide(handoff_id=ours, role=pb.ROLE_DESTINATION)]
+        )
+        details = await denied(callers.prefill.Reconcile(as_decode))
+        assert f"engine {DECODE}" in details
+        assert await snapshot(callers.frontend, ours) == before
+        # As itself it may: its held source goes on.
+        held = pb.ReconcileRequest(
+            engine_id=PREFILL, held=[pb.HeldSide(handoff_id=ours, role=pb.ROLE_SOURCE)]
+        )
+        answer = await callers.prefill.Reconcile(held)
+        assert list(answer.releases) == []
+        assert answer.lost_applied == 0
+
+
 async def test_a_certificate_from_another_ca_cannot_claim_an_engine(
     callers: Callers, pki: Pki
 ) -> None:

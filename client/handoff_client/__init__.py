@@ -20,6 +20,8 @@ Which module owns what:
 - ``sidecar``: :class:`EngineSidecar`: actions in, handlers run, reports out.
 - ``transport``: the seam between sidecar and coordinator, and the unary
   transport; ``connect``: the Connect transport (one stream per engine).
+- ``link``: one coordinator's subscription, reconcile and lease;
+  ``liveness``: what a transport last heard from it.
 - ``outbox``: one handoff's reports, sent in order, one at a time.
 - ``cache``: what each action came to, so a redelivered one is answered again.
 - ``ledger``: per handoff side, what the engine did (tombstones against

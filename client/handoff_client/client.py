@@ -44,6 +44,7 @@ from handoff_client.errors import (
     UnavailableError,
     error_for,
 )
+from handoff_client.liveness import Liveness
 from handoff_client.model import (
     Action,
     Canceled,
@@ -53,6 +54,9 @@ from handoff_client.model import (
     HandoffUpdate,
     Order,
     Outcome,
+    Reconciled,
+    Release,
+    ReleaseReason,
     Role,
 )
 from handoff_client.placement import ShardInfo, ShardMap
@@ -72,6 +76,18 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 ChannelOptions = Sequence[tuple[str, str | int]]
+Side = tuple[str, Role]  # a handoff id and the engine's role in it
+# One Reconcile request carries sides up to about this many bytes: well under
+# the server's default 64 KiB message limit, whatever the ids' length.
+RECONCILE_CHUNK_BYTES = 32 * 1024
+
+# gRPC's own reconnect backoff grows to 120 s: a coordinator back after a
+# restart of a few seconds would wait for the channel's next try. Capped,
+# the channel notices it within a second (the caller's options win).
+RECONNECT_OPTIONS: ChannelOptions = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class HandoffClient:
@@ -112,7 +128,8 @@ class HandoffClient:
             token=token,
         )
         credentials = security.channel_credentials()
-        options = list(channel_options)
+        given = {key for key, _ in channel_options}
+        options = [*(o for o in RECONNECT_OPTIONS if o[0] not in given), *channel_options]
 
         def dial(address: str) -> grpc.aio.Channel:
             if credentials is None:
@@ -236,7 +253,7 @@ class HandoffClient:
 
         ``handoff_timeout_s`` is the handoff's own deadline (server default when
         None); ``timeout_s`` is each attempt's. Retried on UNAVAILABLE and
-        DEADLINE_EXCEEDED up to ``retry.max_attempts`` times: when an earlier
+        DEADLINE_EXCEEDED per ``retry`` (for up to 15 s by default): when an earlier
         attempt reached the server, the answer has ``already_started`` set and
         no actions (they went to the engines' streams). ALREADY_EXISTS means
         the id is taken by a handoff with other parameters; the message names
@@ -293,6 +310,48 @@ class HandoffClient:
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
+    async def reconcile(
+        self,
+        engine_id: str,
+        *,
+        incarnation: str,
+        session_id: str,
+        held: Sequence[Side],
+        freed: Sequence[Side],
+        timeout_s: float | None = None,
+    ) -> Reconciled:
+        """Tell the coordinator what ``engine_id`` holds and freed on its own; which to free.
+
+        Sent in as many requests as the message limit needs (each within
+        ``timeout_s``), freed sides first; retried on UNAVAILABLE (a
+        reconcile is idempotent). See :class:`~handoff_client.sidecar.EngineSidecar`.
+        """
+        releases: list[Release] = []
+        lost_applied = 0
+        for chunk in _chunks([(side, True) for side in freed] + [(side, False) for side in held]):
+            request = pb.ReconcileRequest(
+                engine_id=engine_id, incarnation=incarnation, session_id=session_id
+            )
+            for (handoff_id, role), was_freed in chunk:
+                sides = request.freed if was_freed else request.held
+                sides.add(handoff_id=handoff_id, role=_ROLE_TO_PB[role])
+            response: pb.ReconcileResponse = await self._call(
+                "Reconcile", request, timeout_s, retry=RETRY_UNAVAILABLE
+            )
+            lost_applied += response.lost_applied
+            releases.extend(
+                Release(
+                    release.handoff_id,
+                    Role(release.role),
+                    ReleaseReason(release.reason)
+                    if release.reason in _RELEASE_REASONS
+                    else ReleaseReason.UNSPECIFIED,
+                )
+                for release in response.releases
+                if release.role in _ROLE_TO_PB.values()
+            )
+        return Reconciled(tuple(releases), lost_applied)
+
     async def get_handoff(self, handoff_id: str, *, timeout_s: float | None = None) -> Handoff:
         request = pb.GetHandoffRequest(handoff_id=handoff_id)
         response: pb.GetHandoffResponse = await self._routed(
@@ -307,11 +366,14 @@ class HandoffClient:
         *,
         incarnation: str = "",
         session_id: str = "",
+        liveness: Liveness | None = None,
     ) -> AsyncGenerator[Action, None]:
         """Every action addressed to ``engine_id``, until the stream ends or fails.
 
         ``incarnation`` and ``session_id`` fence the subscription (see
         :class:`~handoff_client.sidecar.EngineSidecar`); empty, there is none.
+        Given ``liveness``, the stream asks for heartbeats and stamps each
+        message (heartbeats are not yielded) and the subscription's headers there.
 
         ``on_subscribed`` is called once the server confirms the subscription
         (its response headers), which may be long before the first action.
@@ -321,19 +383,29 @@ class HandoffClient:
         """
         call = self._stub.StreamActions(
             pb.StreamActionsRequest(
-                engine_id=engine_id, incarnation=incarnation, session_id=session_id
+                engine_id=engine_id,
+                incarnation=incarnation,
+                session_id=session_id,
+                heartbeats=liveness is not None,
             ),
             metadata=self._metadata,
         )
         try:
-            if on_subscribed is not None:
-                await call.initial_metadata()
+            if on_subscribed is not None or liveness is not None:
+                headers = await call.initial_metadata()
                 # A call that failed before the server took it (no server, a
                 # refused token) also "has" headers: empty ones, and it is done.
                 # It is no subscription; iterating raises its error.
                 if not call.done():
-                    on_subscribed()
+                    if liveness is not None:
+                        liveness.subscribed(headers)
+                    if on_subscribed is not None:
+                        on_subscribed()
             async for message in call:
+                if liveness is not None:
+                    liveness.heard()
+                    if message.kind == pb.ACTION_KIND_HEARTBEAT:
+                        continue
                 yield action_from_pb(message)
         except grpc.aio.AioRpcError as error:
             raise error_for(error) from error
@@ -437,6 +509,7 @@ class HandoffClient:
         loop = asyncio.get_running_loop()
         budget = self.timeout_s if timeout_s is None else timeout_s
         deadline = loop.time() + budget
+        retry_until = loop.time() + self.retry.within_s
         per_attempt = grpc.StatusCode.DEADLINE_EXCEEDED in retry
         failures = 0
         while True:
@@ -461,9 +534,28 @@ class HandoffClient:
                 if not (
                     error.code() in retry
                     and failures < self.retry.max_attempts
+                    and loop.time() + delay < retry_until
                     and (per_attempt or loop.time() + delay < deadline)
                 ):
                     raise error_for(error) from error
             await asyncio.sleep(delay)
             if shard is not None:
                 await self._router.shard_map()  # refreshed if a failure made it due
+
+
+_ROLE_TO_PB = {Role.SOURCE: pb.ROLE_SOURCE, Role.DESTINATION: pb.ROLE_DESTINATION}
+_RELEASE_REASONS = frozenset(reason.value for reason in ReleaseReason)
+
+
+def _chunks(sides: list[tuple[Side, bool]]) -> list[list[tuple[Side, bool]]]:
+    """``sides`` cut into requests of at most about RECONCILE_CHUNK_BYTES; at least one."""
+    chunks: list[list[tuple[Side, bool]]] = [[]]
+    size = 0
+    for side in sides:
+        weight = len(side[0][0]) + 8  # the id, plus a side's framing and role
+        if size + weight > RECONCILE_CHUNK_BYTES and chunks[-1]:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(side)
+        size += weight
+    return chunks

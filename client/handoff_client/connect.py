@@ -21,6 +21,9 @@ sidecar's ordered outbox, retries and outcome cache work unchanged:
   state (``ConnectHello.lean_acks``): the sidecar acts on its actions alone.
   A non-zero code raises the exception the unary call would raise for the
   same refusal (same class, same details).
+- It asks for heartbeats and stamps every message it reads (action, ack,
+  heartbeat) on :attr:`ConnectTransport.liveness`, the sidecar's lease clock;
+  heartbeats go no further.
 - A report still unacknowledged when its stream ends (dropped, replaced by
   a newer stream for the engine, closed) fails with ``UnavailableError``, so
   the outbox sends it again, on the next stream. Reports are idempotent on
@@ -39,7 +42,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
-from handoff_client.client import HandoffClient
+from handoff_client.client import HandoffClient, Side
 from handoff_client.convert import action_from_pb, fact_to_pb, outcome_to_pb
 from handoff_client.errors import (
     CallCancelledError,
@@ -48,7 +51,8 @@ from handoff_client.errors import (
     error_for,
     error_for_status,
 )
-from handoff_client.model import Action, Fact, Outcome
+from handoff_client.liveness import Liveness
+from handoff_client.model import Action, Fact, Outcome, Reconciled
 
 # Actions read ahead of the sidecar. Past this the reader stops and leaves the
 # rest to gRPC flow control and the server's queue, as StreamActions does.
@@ -68,6 +72,7 @@ class ConnectTransport:
 
     def __init__(self, client: HandoffClient) -> None:
         self._client = client
+        self.liveness = Liveness()
         self._live: _Stream | None = None  # the stream reports go out on
         self._changed = asyncio.Condition()  # notified when a stream goes live
         self._last_request_id = 0
@@ -86,8 +91,22 @@ class ConnectTransport:
             lean_acks=True,
             incarnation=incarnation,
             session_id=session_id,
+            heartbeats=True,
         )
         return self._subscribe(hello, on_subscribed)
+
+    async def reconcile(
+        self,
+        engine_id: str,
+        *,
+        incarnation: str,
+        session_id: str,
+        held: list[Side],
+        freed: list[Side],
+    ) -> Reconciled:
+        return await self._client.reconcile(
+            engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
+        )
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
@@ -110,10 +129,10 @@ class ConnectTransport:
     async def _subscribe(
         self, hello: pb.ConnectHello, on_subscribed: Callable[[], None]
     ) -> AsyncGenerator[Action, None]:
-        stream = _Stream(self._client, hello)
+        stream = _Stream(self._client, hello, self.liveness)
         try:
             try:
-                await stream.call.initial_metadata()
+                headers = await stream.call.initial_metadata()
             except grpc.aio.AioRpcError as error:
                 raise error_for(error) from error
             stream.start_reading()
@@ -121,6 +140,7 @@ class ConnectTransport:
             # token) has empty headers and is already done: no subscription.
             # Its reader records the error, raised below.
             if not stream.call.done():
+                self.liveness.subscribed(headers)
                 async with self._changed:
                     self._live = stream
                     self._changed.notify_all()
@@ -172,8 +192,9 @@ class ConnectTransport:
 class _Stream:
     """One Connect call: the requests to write, a reader, the reports awaiting acks."""
 
-    def __init__(self, client: HandoffClient, hello: pb.ConnectHello) -> None:
+    def __init__(self, client: HandoffClient, hello: pb.ConnectHello, liveness: Liveness) -> None:
         self._hello = hello
+        self._liveness = liveness
         # None ends the requests: the stream is closing.
         self._requests: asyncio.Queue[pb.ConnectReport | None] = asyncio.Queue()
         self.call = client._open_connect(self._outgoing())
@@ -213,15 +234,20 @@ class _Stream:
     async def _read(self) -> None:
         try:
             async for response in self.call:
+                self._liveness.heard()
                 # Batched (acks, actions), as asked in the hello; a server
                 # that packs nothing still sends one item in kind.
                 for ack in response.acks:
                     self._acknowledge(ack)
-                actions = [action_from_pb(action) for action in response.actions]
+                actions = [
+                    action_from_pb(action)
+                    for action in response.actions
+                    if action.kind != pb.ACTION_KIND_HEARTBEAT
+                ]
                 which = response.WhichOneof("kind")
                 if which == "ack":
                     self._acknowledge(response.ack)
-                elif which == "action":
+                elif which == "action" and response.action.kind != pb.ACTION_KIND_HEARTBEAT:
                     actions.append(action_from_pb(response.action))
                 if actions:
                     self.actions.extend(actions)

@@ -26,6 +26,7 @@ class Side:
     acquired: bool = False  # an acquiring handler started: the engine may hold something
     closed: bool = False  # a cancel or release was taken, or the handoff completed
     activated: bool = False  # ActivateDestination was APPLIED: the decode owns the request
+    freed_here: bool = False  # the sidecar freed it on its own: a later cleanup has nothing to do
     running: int = 0  # acquiring handlers running now
     # Made only when someone waits: most sides are never waited for, and a
     # ledger keeps tens of thousands of them.

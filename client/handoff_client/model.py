@@ -256,3 +256,31 @@ class HandoffUpdate:
     # StartHandoff only: the id was already started with the same parameters
     # (a retry); ``handoff`` is its current state and ``actions`` is empty.
     already_started: bool = False
+
+
+class ReleaseReason(enum.Enum):
+    """Why the coordinator told an engine to free a side it holds (Reconcile)."""
+
+    UNSPECIFIED = 0  # a reason this SDK does not know (a newer server)
+    UNKNOWN_HANDOFF = 1  # never started there, or forgotten (a coordinator without a journal)
+    CANCELED = 2  # completed CANCELED
+    SUCCEEDED_AS_SOURCE = 3  # completed SUCCESS: the source is done
+    ENGINE_LOST = 4  # the engine was declared lost in it
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A held side the engine should free now, through its own cancel handler."""
+
+    handoff_id: str
+    role: Role
+    reason: ReleaseReason
+
+
+@dataclass(frozen=True, slots=True)
+class Reconciled:
+    """The coordinator's answer to a reconcile: what to free, and how many of the
+    sides freed on their own it reported as EngineLost."""
+
+    releases: tuple[Release, ...]
+    lost_applied: int

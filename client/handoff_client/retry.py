@@ -33,12 +33,21 @@ class Backoff:
 class RetryPolicy:
     """How a call that is safe to repeat is retried on UNAVAILABLE.
 
-    Retries never outlive the call's deadline: each attempt gets what is left.
+    The defaults ride through a coordinator restart: Kubernetes restarts a
+    crashed container in seconds, and a recovered coordinator answers every
+    call for the handoffs it had. So a call is retried until ``within_s``
+    after its first attempt (and ``max_attempts`` in all), never past the
+    call's deadline; each attempt gets what is left of it. StartHandoff's
+    attempts each get the full timeout, so ``within_s`` bounds how long it
+    keeps trying.
     """
 
-    max_attempts: int = 5
+    max_attempts: int = 64
     backoff: Backoff = field(default_factory=Backoff)
+    within_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if not self.within_s >= 0:
+            raise ValueError("within_s must be >= 0")

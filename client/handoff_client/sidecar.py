@@ -26,6 +26,10 @@ says what each handler must do. The sidecar
 - answers a redelivered action from its outcome cache instead of running the
   handler again, and ignores a redelivery whose handler is still running;
 - logs, counts and skips an action of a kind it does not know (a newer server);
+- runs a lease on the coordinator's signs of life and reconciles what the
+  engine holds after every subscription (:mod:`handoff_client.link`): a side
+  the coordinator no longer expects it to hold, or that it would free before
+  hearing from it again, is freed through the engine's cancel handler;
 - stops for good, after freeing everything the engine holds, when the server
   says a newer incarnation of the engine has subscribed
   (:class:`~handoff_client.errors.OlderIncarnationError`, raised by
@@ -46,7 +50,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, Self
@@ -58,26 +62,20 @@ from handoff_client.errors import (
     HandoffRpcError,
     NotFoundError,
     OlderIncarnationError,
-    SessionConflictError,
 )
+from handoff_client.facts import Facts as Facts  # re-exported: engines import it from here
 from handoff_client.ledger import Ledger, Side
+from handoff_client.link import CoordinatorLink
 from handoff_client.model import (
     ACQUIRING_KINDS,
     CLEANUP_KINDS,
     NOOP,
     Action,
     ActionKind,
-    Canceled,
     Completion,
-    DestinationReserved,
-    Fact,
-    Failed,
     Outcome,
     OutcomeKind,
     Role,
-    SourceHeld,
-    TransferCompleted,
-    TransferTiming,
     outcome_allowed,
 )
 from handoff_client.outbox import Outbox
@@ -99,39 +97,6 @@ def new_incarnation() -> str:
     Sortable by start time, so the server can tell a newer one from an older one.
     """
     return f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(8)}"
-
-
-class Facts:
-    """What an engine reports on its own initiative.
-
-    Each call returns once the server has the fact, after every outcome and
-    fact the engine produced earlier for the same handoff. Report the fact
-    that follows an action (SourceHeld after SubmitPrefill, ...) after that
-    action's handler has returned, e.g. from a task the handler started.
-    A final rejection raises a :class:`~handoff_client.errors.HandoffRpcError`.
-    """
-
-    def __init__(self, outbox: Outbox, transport: SidecarTransport) -> None:
-        self._outbox = outbox
-        self._transport = transport
-
-    async def source_held(self, handoff_id: str, timing: TransferTiming) -> None:
-        await self._report(handoff_id, SourceHeld(timing))
-
-    async def destination_reserved(self, handoff_id: str, transferable_prompt_tokens: int) -> None:
-        await self._report(handoff_id, DestinationReserved(transferable_prompt_tokens))
-
-    async def transfer_completed(self, handoff_id: str) -> None:
-        await self._report(handoff_id, TransferCompleted())
-
-    async def failed(self, handoff_id: str, reason: str) -> None:
-        await self._report(handoff_id, Failed(reason))
-
-    async def canceled(self, handoff_id: str, reason: str) -> None:
-        await self._report(handoff_id, Canceled(reason))
-
-    async def _report(self, handoff_id: str, fact: Fact) -> None:
-        await self._outbox.send(handoff_id, lambda: self._transport.report_fact(handoff_id, fact))
 
 
 class SourceEngine(Protocol):
@@ -212,6 +177,11 @@ class Engine(SourceEngine, DestinationEngine, Protocol):
     (``EngineSidecar(..., incarnation=...)``, made once at the engine's start)
     when it runs beside an engine that outlives it. A new incarnation tells
     the server that everything the old one held is gone.
+
+    Optional: ``async def held_handoffs(self) -> Iterable[tuple[str, Role]]``,
+    the handoff sides the engine holds now. The sidecar calls it once, at its
+    start, so that a sidecar restarted beside an engine that survived it (same
+    incarnation) reconciles and leases those sides too.
     """
 
     async def start_transfer(self, action: Action, facts: Facts) -> Outcome:
@@ -256,6 +226,11 @@ class SidecarStats:
     unknown_actions: int = 0  # actions of a kind this SDK does not know, skipped
     unimplemented: int = 0  # actions for a handler the engine does not have
     session_conflicts: int = 0  # subscriptions refused: a twin holds the stream
+    reconciles: int = 0  # reconciles answered (one per confirmed subscription)
+    orphans_reclaimed: int = 0  # sides freed because the coordinator no longer knew them
+    lease_expiries: int = 0  # times the lease expired with the coordinator silent
+    freed_on_lease: int = 0  # sides freed when the lease expired
+    freed_unreported: int = 0  # sides freed on its own that no reconcile has told a coordinator
 
 
 class EngineSidecar:
@@ -304,12 +279,12 @@ class EngineSidecar:
         else:
             self._transport = connection
         self._rng = rng or random.Random()
-        self._backoff = reconnect_backoff or Backoff()
+        backoff = reconnect_backoff or Backoff()
         self._slots = asyncio.Semaphore(max_concurrency)
         self._cleanup_slots = asyncio.Semaphore(cleanup_concurrency)
         self._cache = OutcomeCache(cache_size)
         self._ledger = Ledger(cache_size)
-        self._outbox = Outbox(self._backoff, self._rng)
+        self._outbox = Outbox(backoff, self._rng)
         self.facts = Facts(self._outbox, self._transport)
         self._stop_grace_s = stop_grace_s
         self._handlers: dict[ActionKind, Handler] = {}
@@ -321,13 +296,18 @@ class EngineSidecar:
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
-        self._subscribed = asyncio.Event()
-        self._ended = asyncio.Event()  # the sidecar stopped on its own (fenced)
-        self._fenced: OlderIncarnationError | None = None
+        self._link = CoordinatorLink(
+            self._transport,
+            self,
+            engine_id=engine_id,
+            incarnation=self.incarnation,
+            session_id=self.session_id,
+            backoff=backoff,
+            rng=self._rng,
+        )
         self._received = self._handled = self._cache_hits = self._ignored = 0
-        self._handler_errors = self._reconnects = self._rejected = 0
+        self._handler_errors = self._rejected = 0
         self._closed_hits = self._freed = self._unknown = self._unimplemented = 0
-        self._conflicts = 0
 
     @property
     def transport(self) -> SidecarTransport:
@@ -342,14 +322,19 @@ class EngineSidecar:
             answered_from_cache=self._cache_hits,
             ignored_while_running=self._ignored,
             handler_errors=self._handler_errors,
-            reconnects=self._reconnects,
+            reconnects=self._link.reconnects,
             report_retries=self._outbox.retries,
             reports_rejected=self._rejected,
             answered_closed=self._closed_hits,
             freed_on_complete=self._freed,
             unknown_actions=self._unknown,
             unimplemented=self._unimplemented,
-            session_conflicts=self._conflicts,
+            session_conflicts=self._link.conflicts,
+            reconciles=self._link.reconciles,
+            orphans_reclaimed=self._link.orphans_reclaimed,
+            lease_expiries=self._link.lease_expiries,
+            freed_on_lease=self._link.freed_on_lease,
+            freed_unreported=self._link.freed_unreported,
         )
 
     async def wait_subscribed(self) -> None:
@@ -358,14 +343,14 @@ class EngineSidecar:
         Raises :class:`~handoff_client.errors.OlderIncarnationError` if the
         sidecar was fenced instead.
         """
-        subscribed = asyncio.ensure_future(self._subscribed.wait())
-        ended = asyncio.ensure_future(self._ended.wait())
+        subscribed = asyncio.ensure_future(self._link.subscribed.wait())
+        ended = asyncio.ensure_future(self._link.ended.wait())
         try:
             await asyncio.wait((subscribed, ended), return_when=asyncio.FIRST_COMPLETED)
         finally:
             subscribed.cancel()
             ended.cancel()
-        if not self._subscribed.is_set():
+        if not self._link.subscribed.is_set():
             self._raise_if_fenced()
 
     async def wait(self) -> None:
@@ -375,7 +360,7 @@ class EngineSidecar:
         newer incarnation of the engine has subscribed and everything this
         sidecar's engine held was freed through its cancel handlers.
         """
-        await self._ended.wait()
+        await self._link.ended.wait()
         self._raise_if_fenced()
 
     async def run(self) -> None:
@@ -384,8 +369,8 @@ class EngineSidecar:
             await self.wait()
 
     def _raise_if_fenced(self) -> None:
-        if self._fenced is not None:
-            raise self._fenced
+        if self._link.fenced is not None:
+            raise self._link.fenced
 
     async def __aenter__(self) -> Self:
         self.start()
@@ -402,7 +387,7 @@ class EngineSidecar:
     def start(self) -> None:
         if self._reader is not None:
             raise RuntimeError("the sidecar was already started")
-        self._reader = asyncio.create_task(self._read(), name=f"sidecar-{self.engine_id}")
+        self._reader = asyncio.create_task(self._run(), name=f"sidecar-{self.engine_id}")
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Take no new actions, give running handlers and queued reports ``grace_s``,
@@ -429,63 +414,36 @@ class EngineSidecar:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        self._subscribed.clear()
 
     # --- the stream ------------------------------------------------------------
 
-    async def _read(self) -> None:
-        failures = 0
+    async def _run(self) -> None:
+        held_handoffs = getattr(self._engine, "held_handoffs", None)
+        if held_handoffs is not None:
+            # Restarted beside an engine that survived: what it holds is
+            # reconciled (and leased) like what this sidecar acquired itself.
+            for handoff_id, role in await held_handoffs():
+                self._ledger.side(handoff_id, role).acquired = True
+        await self._link.run(self._dispatch)
 
-        def on_subscribed() -> None:
-            nonlocal failures
-            failures = 0
-            self._subscribed.set()
+    def held(self) -> list[tuple[str, Role]]:
+        """What the lease and reconcile cover: held sides, but no activated decode."""
+        return [(h, role) for h, role, side in self._ledger.holding() if not side.activated]
 
-        extra = {"engine_id": self.engine_id, "incarnation": self.incarnation}
-        while True:
-            try:
-                subscription = self._transport.subscribe(
-                    self.engine_id,
-                    on_subscribed,
-                    incarnation=self.incarnation,
-                    session_id=self.session_id,
-                )
-                async with contextlib.aclosing(subscription) as actions:
-                    async for action in actions:
-                        self._dispatch(action)
-                log.warning(
-                    "action stream ended by the server (replaced, or shutting down)", extra=extra
-                )
-            except OlderIncarnationError as error:
-                log.error(
-                    "a newer incarnation of engine %s has subscribed; freeing everything "
-                    "this one holds and stopping for good: %s",
-                    self.engine_id,
-                    error.details,
-                    extra=extra,
-                )
-                self._subscribed.clear()
-                await self._free_everything()
-                self._fenced = error
-                self._ended.set()
-                return
-            except SessionConflictError as error:
-                self._conflicts += 1
-                log.error(
-                    "another live sidecar holds engine %s's stream under the same incarnation "
-                    "(two sidecars given one incarnation?); retrying until its stream is gone: %s",
-                    self.engine_id,
-                    error.details,
-                    extra=extra,
-                )
-            except HandoffRpcError as error:
-                log.warning("action stream failed: %s", error, extra=extra)
-            except Exception:  # a transport bug must not end the sidecar for good
-                log.exception("action stream broke", extra=extra)
-            self._subscribed.clear()
-            failures += 1
-            self._reconnects += 1
-            await asyncio.sleep(self._backoff.delay_s(failures, self._rng))
+    async def reclaim(self, sides: Iterable[tuple[str, Role]], why: str) -> list[tuple[str, Role]]:
+        """Close ``sides`` and free those still held (not an activated decode) on its own."""
+        owed = []
+        for handoff_id, role in sides:
+            side = self._ledger.side(handoff_id, role)
+            if side.holds and not side.activated:
+                side.closed = True  # a later acquiring action is answered from the tombstone
+                cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
+                owed.append((handoff_id, role, self._free_when_idle(cause, role, side, why)))
+        await asyncio.gather(*(free for _, _, free in owed))
+        return [(handoff_id, role) for handoff_id, role, _ in owed]
+
+    async def fenced(self, error: OlderIncarnationError) -> None:
+        await self._free_everything()
 
     def _dispatch(self, action: Action) -> None:
         """Take one delivered action. Never waits: the stream is always read."""
@@ -576,7 +534,9 @@ class EngineSidecar:
             async with side.freeing(), self._cleanup_slots:
                 if self._stopping:
                     return
-                outcome = await self._run_handler(action)
+                # Freed on its own (lease, orphan, notice): the engine's cancel
+                # ran once already, and the side was closed since.
+                outcome = NOOP if side.freed_here else await self._run_handler(action)
             if outcome is None:
                 return  # unacknowledged: the server redelivers it
             self._cache.put(action.handoff_id, action.id, outcome)
@@ -680,7 +640,7 @@ class EngineSidecar:
         )
         log.info("%s: running %s", why, kind.name, extra=self._log_extra(cancel))
         async with side.freeing(), self._cleanup_slots:
-            await self._run_handler(cancel)
+            side.freed_here = await self._run_handler(cancel) is not None
 
     async def _free_everything(self) -> None:
         """Fenced: free, through the engine's cancel handlers, every side it may hold."""
@@ -689,12 +649,12 @@ class EngineSidecar:
         for handoff_id, role, side in list(self._ledger.holding()):
             side.closed = True
             cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
-            frees.append(self._free_when_idle(cause, role, side))
+            frees.append(self._free_when_idle(cause, role, side, "replaced by a newer incarnation"))
         await asyncio.gather(*frees)
 
-    async def _free_when_idle(self, cause: Action, role: Role, side: Side) -> None:
+    async def _free_when_idle(self, cause: Action, role: Role, side: Side, why: str) -> None:
         await side.wait_idle()
-        await self._free(cause, role, side, "replaced by a newer incarnation")
+        await self._free(cause, role, side, why)
 
     # --- reports ------------------------------------------------------------------
 
@@ -710,9 +670,12 @@ class EngineSidecar:
         try:
             await report
         except NotFoundError:
-            # Abandoned or past retention: nobody is waiting for this answer.
+            # Abandoned, past retention, or a coordinator that lost its state:
+            # nobody is waiting for this answer, nor will free what it holds.
             self._rejected += 1
             log.info("outcome for an unknown handoff dropped", extra=self._log_extra(action))
+            side = (action.handoff_id, action.target)
+            await self._link.reclaim(side, "a report for it was answered NOT_FOUND")
         except HandoffRpcError as error:
             self._rejected += 1
             log.error("outcome refused: %s", error, extra=self._log_extra(action))

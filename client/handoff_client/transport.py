@@ -16,11 +16,12 @@ idempotent on the server) and treats any other error as final.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Callable
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
-from handoff_client.client import HandoffClient
+from handoff_client.client import HandoffClient, Side
 from handoff_client.connect import ConnectTransport
-from handoff_client.model import Action, Fact, Outcome
+from handoff_client.liveness import Liveness
+from handoff_client.model import Action, Fact, Outcome, Reconciled
 
 # What EngineSidecar(transport=...), `handoff sim` and `handoff demo` accept.
 TransportKind = Literal["connect", "unary"]
@@ -49,11 +50,31 @@ class SidecarTransport(Protocol):
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None: ...
 
 
+@runtime_checkable
+class LeasedTransport(SidecarTransport, Protocol):
+    """A transport that also reconciles, and stamps every message it reads on
+    ``liveness``: what a sidecar's lease and reconcile need (both built-in
+    transports). Over any other transport the sidecar runs neither."""
+
+    liveness: Liveness
+
+    async def reconcile(
+        self,
+        engine_id: str,
+        *,
+        incarnation: str,
+        session_id: str,
+        held: list[Side],
+        freed: list[Side],
+    ) -> Reconciled: ...
+
+
 class UnaryTransport:
     """StreamActions for actions, one unary call per report."""
 
     def __init__(self, client: HandoffClient) -> None:
         self._client = client
+        self.liveness = Liveness()
 
     def subscribe(
         self,
@@ -64,7 +85,24 @@ class UnaryTransport:
         session_id: str,
     ) -> AsyncGenerator[Action, None]:
         return self._client.stream_actions(
-            engine_id, on_subscribed, incarnation=incarnation, session_id=session_id
+            engine_id,
+            on_subscribed,
+            incarnation=incarnation,
+            session_id=session_id,
+            liveness=self.liveness,
+        )
+
+    async def reconcile(
+        self,
+        engine_id: str,
+        *,
+        incarnation: str,
+        session_id: str,
+        held: list[Side],
+        freed: list[Side],
+    ) -> Reconciled:
+        return await self._client.reconcile(
+            engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
         )
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import security, tracing
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint
-from handoff_server.guard import EngineStreams, Guard, grpc_options
+from handoff_server.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
 from handoff_server.journal import Journal, fresh_incarnation
 from handoff_server.metrics import Metrics
 from handoff_server.probes import HealthGate
@@ -149,6 +150,7 @@ class Server:
             ("handoff-coordinator-incarnation", str(self.incarnation)),
             ("handoff-recovered", "true" if recovered else "false"),
             ("handoff-delivery-timeout-ms", str(round(self.settings.delivery_timeout_s * 1000))),
+            ("handoff-heartbeat-ms", str(round(self.settings.heartbeat_interval_s * 1000))),
         )
         journal = self.journal
         if journal is None:
@@ -200,12 +202,11 @@ class Server:
             server,
         )
         address = f"{settings.host}:{settings.port}"
-        if credentials is None:
-            self.port = server.add_insecure_port(address)
-        else:
-            self.port = server.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC on {settings.host}:{settings.port}")
+        with _bind_errors("gRPC", address):
+            if credentials is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, credentials)
         self.shards.port = self.port
         health_server = self._health_only_server() if settings.health_port >= 0 else None
         await server.start()
@@ -250,6 +251,7 @@ class Server:
         settings = self.settings
         server = grpc.aio.server(
             options=[
+                EXCLUSIVE_PORT,
                 ("grpc.max_receive_message_length", 1024),
                 # A probe opens a connection per check: few calls per connection
                 # make a crowd of calls cost a crowd of connections.
@@ -258,11 +260,9 @@ class Server:
             maximum_concurrent_rpcs=2 * self._health_calls(),
         )
         server.add_generic_rpc_handlers((self._health_gate().handler(),))
-        self.health_port = server.add_insecure_port(
-            f"{settings.health_host}:{settings.health_port}"
-        )
-        if self.health_port == 0:
-            raise OSError(f"cannot bind health on {settings.health_host}:{settings.health_port}")
+        address = f"{settings.health_host}:{settings.health_port}"
+        with _bind_errors("health", address):
+            self.health_port = server.add_insecure_port(address)
         return server
 
     def _health_gate(self) -> HealthGate:
@@ -361,3 +361,15 @@ class Server:
             # Exports the spans still buffered: blocking, so off the loop.
             await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
         log.info("stopped")
+
+
+@contextlib.contextmanager
+def _bind_errors(what: str, address: str) -> Iterator[None]:
+    """gRPC's bind failure (a RuntimeError, or port 0) as the OSError `handoff serve` reports."""
+    try:
+        yield
+    except RuntimeError as error:
+        raise OSError(
+            f"cannot bind {what} on {address}: in use by another process (a second "
+            "coordinator?), or not an address of this host"
+        ) from error

@@ -34,6 +34,11 @@ class Settings:
     delivery_timeout_s: float = _setting(
         10.0, "fail a handoff whose engine has had no live stream for this long, in seconds"
     )
+    heartbeat_s: float = _setting(
+        0.0,
+        "an engine's stream idle this long gets a heartbeat (sidecars that ask run their "
+        "lease on them), in seconds; 0: a fifth of delivery_timeout_s",
+    )
     cleanup_timeout_s: float = _setting(
         300.0, "abandon a handoff still cleaning up after this long, in seconds"
     )
@@ -184,6 +189,17 @@ class Settings:
         "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS "
         "(the kubelet's); -1 disables, 0 picks a free one",
     )
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How long an engine's stream stays idle before it gets a heartbeat.
+
+        A fifth of the delivery timeout by default: a sidecar's lease expires
+        a margin (20 %, at least 1 s) before the delivery timeout, so even a
+        heartbeat or two lost to a slow network leaves it several signs of
+        life within its lease; more often would only cost idle streams.
+        """
+        return self.heartbeat_s or self.delivery_timeout_s / 5
 
     def __post_init__(self) -> None:
         for setting in fields(self):

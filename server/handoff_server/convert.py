@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from collections.abc import Iterable
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff_server.delivery import Dispatch, Role
@@ -35,6 +36,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_server.registry import Release, ReleaseReason
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Already canonical: uuid.UUID would parse it only to print it back unchanged.
@@ -292,3 +294,31 @@ def handoff(entry: Entry | Retained) -> pb.Handoff:
 
 def _nanoseconds(seconds: float) -> int:
     return round(seconds * 1e9)
+
+
+SIDE_ROLES = {pb.ROLE_SOURCE: Role.SOURCE, pb.ROLE_DESTINATION: Role.DESTINATION}
+RELEASE_REASONS = {
+    ReleaseReason.UNKNOWN_HANDOFF: pb.RELEASE_REASON_UNKNOWN_HANDOFF,
+    ReleaseReason.CANCELED: pb.RELEASE_REASON_CANCELED,
+    ReleaseReason.SUCCEEDED_AS_SOURCE: pb.RELEASE_REASON_SUCCEEDED_AS_SOURCE,
+    ReleaseReason.ENGINE_LOST: pb.RELEASE_REASON_ENGINE_LOST,
+}
+
+
+def held_sides(sides: Iterable[pb.HeldSide], field: str) -> list[tuple[str, Role]]:
+    """Each side's handoff id and role (the source's or the destination's)."""
+    decoded = []
+    for index, side in enumerate(sides):
+        role = SIDE_ROLES.get(side.role)
+        if role is None:
+            raise InvalidArgument(f"{field}[{index}].role must be ROLE_SOURCE or ROLE_DESTINATION")
+        decoded.append((handoff_id(side.handoff_id, f"{field}[{index}].handoff_id"), role))
+    return decoded
+
+
+def release(release: Release) -> pb.Release:
+    return pb.Release(
+        handoff_id=release.handoff_id,
+        role=ROLES[release.role],
+        reason=RELEASE_REASONS[release.reason],
+    )

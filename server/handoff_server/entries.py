@@ -64,6 +64,7 @@ class Entry:
         "cleanup_epoch",
         "redelivery_round",
         "trace",
+        "trace_context",
     )
 
     def __init__(
@@ -94,6 +95,8 @@ class Entry:
         self.cleanup_epoch = 0
         self.redelivery_round = 0
         self.trace: object = None  # tracing.HandoffTrace when tracing is on
+        # The caller's, as StartHandoff brought it: a journal snapshot keeps it.
+        self.trace_context: tuple[tuple[str, str], ...] = ()
 
     @property
     def handoff_id(self) -> str:
@@ -140,6 +143,7 @@ class Retained:
         "destination_engine_id",
         "transfer_executor",
         "trace",
+        "trace_context",
         "_times",
     )
 
@@ -154,6 +158,7 @@ class Retained:
         self.destination_engine_id = entry.destination_engine_id
         self.transfer_executor = entry.transfer_executor
         self.trace = entry.trace
+        self.trace_context = entry.trace_context
         times = (
             entry.started_at,
             entry.deadline,
@@ -205,4 +210,5 @@ class Retained:
         entry.completed_at = self.completed_at
         entry.lifecycle_at = self.lifecycle_at
         entry.trace = self.trace
+        entry.trace_context = self.trace_context
         return entry

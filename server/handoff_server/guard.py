@@ -56,9 +56,16 @@ Handler = Any
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
+# gRPC binds with SO_REUSEPORT by default: a second coordinator started on
+# the same port would bind too and take part of the connections, silently.
+# Off, it fails to start instead.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     """Server channel arguments for the message, stream, keepalive and age limits."""
     options = [
+        EXCLUSIVE_PORT,
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
         ("grpc.keepalive_time_ms", round(settings.keepalive_time_s * 1000)),

@@ -16,7 +16,10 @@ Choices, and why:
   other. Replaying them through a registry whose clock reads each record's
   time rebuilds every handoff exactly (recovery.py). A handoff that leaves
   the registry (retention expired, evicted, abandoned) has its records
-  deleted, so the file holds only what the registry holds.
+  deleted, so the file holds only what the registry holds. A handoff that
+  completes is written once more, whole (its packed core and times), and that
+  one record replaces its history in the same commit: recovery restores a
+  retained handoff from one row instead of replaying nine (recovery.py).
 - **Group commit.** Calls append to an in-memory batch synchronously (the
   registry never awaits); one writer task commits each batch in one
   transaction, on a thread of its own, so the event loop never waits on the
@@ -52,7 +55,11 @@ from typing import Any
 
 log = logging.getLogger("handoff.journal")
 
-FORMAT_VERSION = 1
+# 2: a completed handoff's history is replaced by one snapshot record
+# (recovery.encode_retained), and a side settled without ever being sent
+# anything is a record of its own (recovery.FORSAKEN). A version 1 file holds
+# neither, and reads as is.
+FORMAT_VERSION = 2
 DATABASE = "journal.sqlite3"
 LOCK = "lock"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}
@@ -207,6 +214,12 @@ class Journal:
         self._inserts.append((seq, handoff_id, at, json.dumps(body, separators=(",", ":"))))
         self._appended += 1
         self._wanted.set()
+
+    def replace(self, handoff_id: str, at: float, body: list[object]) -> None:
+        """One record that stands for all of the handoff's earlier ones, which go
+        in the same commit."""
+        self._drops.append((handoff_id, self._next_seq))
+        self.append(handoff_id, at, body)
 
     def drop(self, handoff_id: str) -> None:
         """The handoff left the registry: its records go with the next commit."""

@@ -23,8 +23,16 @@ FACT_KINDS = (
     "canceled",
     "engine_lost",
 )
-LOST_CAUSES = ("restarted", "unreachable")
-RPCS = ("StartHandoff", "ReportFact", "ReportOutcome", "StreamActions", "Connect", "GetHandoff")
+LOST_CAUSES = ("restarted", "unreachable", "reconciled")
+RPCS = (
+    "StartHandoff",
+    "ReportFact",
+    "ReportOutcome",
+    "StreamActions",
+    "Connect",
+    "GetHandoff",
+    "Reconcile",
+)
 
 
 class Metrics:
@@ -51,7 +59,8 @@ class Metrics:
         self.engines_lost = Counter(
             "handoff_engines_lost",
             "Engines declared lost in their unfinished handoffs, by cause: restarted (a new "
-            "incarnation subscribed) or unreachable (no live stream for delivery_timeout).",
+            "incarnation subscribed), unreachable (no live stream for delivery_timeout) or "
+            "reconciled (its sidecar freed the side on its own: lease, orphan).",
             ["cause"],
             registry=r,
         )

@@ -23,14 +23,15 @@ delivery, retention, entries and timers.
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import logging
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from handoff_server.config import Settings
 from handoff_server.core import Handoff
@@ -78,7 +79,15 @@ FACT_KIND = {
     "Canceled": "canceled",
     "EngineLost": "engine_lost",
 }
+LOST_BECAUSE = {
+    "restarted": "restarted under a new incarnation",
+    "reconciled": "its sidecar freed these sides on its own (lease or orphan)",
+}
 SIDE_OF = {Role.SOURCE: Side.SOURCE, Role.DESTINATION: Side.DESTINATION}
+LOST_EVENT = {
+    Role.SOURCE: LifecycleEvent.SOURCE_LOST,
+    Role.DESTINATION: LifecycleEvent.DESTINATION_LOST,
+}
 ROLE_OF_SIDE = {side: role for role, side in SIDE_OF.items()}
 NOOP = Outcome(OutcomeKind.NOOP)
 
@@ -94,8 +103,29 @@ class Recorder(Protocol):
 
     def abandoned(self, handoff_id: str, at: float) -> None: ...
 
+    def completed(self, retained: Retained, at: float) -> None:
+        """The handoff completed: one record of it as retained replaces its history."""
+
+    def forsaken(self, handoff_id: str, at: float, role: Role, engine_id: str) -> None:
+        """Nothing for ``role`` was ever sent to ``engine_id``: none of it is owed."""
+
     def drop(self, handoff_id: str) -> None:
         """The handoff left the registry (its retention expired, or it was evicted)."""
+
+
+class ReleaseReason(enum.Enum):
+    """Why an engine should free a side it holds (Reconcile)."""
+
+    UNKNOWN_HANDOFF = "unknown_handoff"  # never started here, forgotten, or not its side
+    CANCELED = "canceled"  # completed CANCELED: nothing is owed to anyone
+    SUCCEEDED_AS_SOURCE = "succeeded_as_source"  # completed SUCCESS: the source is done
+    ENGINE_LOST = "engine_lost"  # this engine was declared lost in it
+
+
+class Release(NamedTuple):
+    handoff_id: str
+    role: Role
+    reason: ReleaseReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +238,7 @@ class Registry:
             now,
             now + timeout,
         )
+        entry.trace_context = request.trace_context
         self.handoffs[request.handoff_id] = entry
         self.metrics.started.inc()
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
@@ -267,6 +298,54 @@ class Registry:
         if lost:
             self._lose(engine_id, lost, cause="restarted")
         return subscription
+
+    def reconcile(
+        self, engine_id: str, held: Iterable[tuple[str, Role]], freed: Iterable[tuple[str, Role]]
+    ) -> tuple[list[Release], int]:
+        """What ``engine_id``'s sidecar should stop holding, after telling it what it freed.
+
+        For each ``held`` side: a :class:`Release` when the engine should free
+        it (see :class:`ReleaseReason`); the others go on. For each ``freed``
+        side of an unfinished handoff in which this engine plays that role:
+        EngineLost, as a server fact (the engine's memory for it is gone, and
+        nobody would report anything for it again). Returns the releases and
+        how many EngineLost were reported. Freed sides are applied first, so
+        a side both freed and held is answered as lost.
+        """
+        now = self.clock()
+        self.retention.expire(now)
+        lost: dict[str, set[Role]] = {}
+        for handoff_id, role in freed:
+            entry = self.handoffs.get(handoff_id)
+            if (
+                isinstance(entry, Entry)
+                and entry.abandoned_at is None
+                and entry.core.phase is not Phase.COMPLETE
+                and _engine_of(entry, role) == engine_id
+                and LOST_EVENT[role] not in entry.core.lifecycle
+            ):
+                lost.setdefault(handoff_id, set()).add(role)
+        self._lose(engine_id, lost, cause="reconciled")
+        releases = []
+        for handoff_id, role in held:
+            reason = self._release_reason(engine_id, handoff_id, role)
+            if reason is not None:
+                releases.append(Release(handoff_id, role, reason))
+        return releases, sum(len(roles) for roles in lost.values())
+
+    def _release_reason(self, engine_id: str, handoff_id: str, role: Role) -> ReleaseReason | None:
+        entry = self.handoffs.get(handoff_id)
+        if entry is None or _engine_of(entry, role) != engine_id:
+            return ReleaseReason.UNKNOWN_HANDOFF
+        core = entry.core
+        if LOST_EVENT[role] in core.lifecycle:
+            return ReleaseReason.ENGINE_LOST
+        if core.phase is Phase.COMPLETE:
+            if core.completion is Completion.CANCELED:
+                return ReleaseReason.CANCELED
+            if role is Role.SOURCE:
+                return ReleaseReason.SUCCEEDED_AS_SOURCE
+        return None
 
     # --- time ---------------------------------------------------------------
 
@@ -445,6 +524,10 @@ class Registry:
         there is nothing to free. Its queued actions are never sent, and the
         server reports the cleanup's outcome NOOP itself, rather than owe it."""
         self.delivery.forsake(entry.handoff_id, role, engine_id)
+        if self.recorder is not None:
+            # A replay counts every action as written, so it would not settle:
+            # the journal says what was never sent, and owed to no one.
+            self.recorder.forsaken(entry.handoff_id, self.clock(), role, engine_id)
         handoff_id, action_id = entry.handoff_id, action.id
 
         def settle() -> None:
@@ -512,7 +595,11 @@ class Registry:
                 self.metrics.duration_by[completion].observe(now - entry.started_at)
             # The core forgot its journal: nothing is outstanding any more.
             self._drop_routed(entry)
-            self.retention.keep(Retained(entry))
+            retained = Retained(entry)
+            if self.recorder is not None:
+                # Before keep(): an eviction of this very handoff drops the snapshot too.
+                self.recorder.completed(retained, now)
+            self.retention.keep(retained)
             log.info(
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
@@ -560,9 +647,8 @@ class Registry:
             self.metrics.engines_lost_by[cause].inc()
             log.warning(
                 "engine lost (%s): reporting EngineLost in its %d unfinished handoffs",
-                "restarted under a new incarnation"
-                if cause == "restarted"
-                else f"no live stream for {self.settings.delivery_timeout_s:.1f} s",
+                LOST_BECAUSE.get(cause)
+                or f"no live stream for {self.settings.delivery_timeout_s:.1f} s",
                 len(affected),
                 extra={"engine_id": engine_id},
             )
@@ -641,6 +727,15 @@ class Registry:
         assert isinstance(entry, Entry), "only a handoff still cleaning up is abandoned"
         self._abandon(entry, self.clock())
 
+    def restore(self, retained: Retained) -> bool:
+        """Keep a completed handoff as a journal snapshot brought it back
+        (recovery); False if its id is taken, and nothing changed."""
+        if retained.handoff_id in self.handoffs:
+            return False
+        self.metrics.handoffs_by[Phase.COMPLETE].inc()
+        self.retention.keep(retained)
+        return True
+
     def _forgotten(self, handoff_id: str) -> None:
         if self.recorder is not None:
             self.recorder.drop(handoff_id)
@@ -675,6 +770,10 @@ class Registry:
 
 
 ENGINE_TIMERS = frozenset({TimerKind.UNREACHABLE, TimerKind.FORGET})
+
+
+def _engine_of(entry: Entry | Retained, role: Role) -> str:
+    return entry.source_engine_id if role is Role.SOURCE else entry.destination_engine_id
 
 
 def _same_start(known: Entry | Retained, request: StartRequest, timeout_s: float) -> None:

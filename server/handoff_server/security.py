@@ -113,7 +113,7 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
 SCOPES: Mapping[str, frozenset[str]] = {
     "start": frozenset({"StartHandoff"}),
     "report": frozenset({"ReportFact", "ReportOutcome"}),
-    "engine": frozenset({"StreamActions", "Connect"}),
+    "engine": frozenset({"StreamActions", "Connect", "Reconcile"}),
     "read": frozenset({"GetHandoff"}),
 }
 ALL_SCOPES = frozenset(SCOPES)
@@ -369,7 +369,7 @@ CALLER: ContextVar[Caller | None] = ContextVar("handoff_caller", default=None)
 
 
 def authorize_engine(engine_id: str) -> str:
-    """For StreamActions and Connect: the caller may subscribe as ``engine_id``."""
+    """For StreamActions, Connect and Reconcile: the caller may act as ``engine_id``."""
     caller = CALLER.get()
     if caller is not None and engine_id not in caller.engines:
         raise PermissionDenied(f"{caller} may not act for engine {engine_id}")

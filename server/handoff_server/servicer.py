@@ -50,6 +50,9 @@ MAX_OWED_BYTES = 256 * 1024
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
 TRACE_CONTEXT = ("traceparent", "tracestate")
+# Written on a stream that asked for heartbeats when it has been idle for the
+# heartbeat interval: the sidecar's lease counts from the last message it read.
+HEARTBEAT = pb.Action(kind=pb.ACTION_KIND_HEARTBEAT)
 
 
 def _shown(handoff_id: str) -> str:
@@ -197,8 +200,22 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.ReconcileRequest,
         context: grpc.aio.ServicerContext[pb.ReconcileRequest, pb.ReconcileResponse],
     ) -> pb.ReconcileResponse:
-        # Declared in the proto ahead of its implementation (issue 12).
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Reconcile is not built yet")
+        subject = f"engine {request.engine_id[:128]}"
+        try:
+            engine_id = security.authorize_engine(convert.engine_id(request.engine_id))
+            convert.incarnation(request.incarnation)
+            convert.session_id(request.session_id)
+            releases, lost_applied = self.registry.reconcile(
+                engine_id,
+                convert.held_sides(request.held, "held"),
+                convert.held_sides(request.freed, "freed"),
+            )
+        except Exception as error:
+            await self.refuse(context, "Reconcile", subject, error)
+        await self.durably(context)  # the EngineLost it reported are journaled first
+        return pb.ReconcileResponse(
+            releases=[convert.release(release) for release in releases], lost_applied=lost_applied
+        )
 
     async def GetShardMap(
         self,
@@ -238,15 +255,23 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Exception as error:
             await self.refuse(context, "StreamActions", "stream", error)
         engine_id = subscription.engine_id
+        beat = self._heartbeat(request.heartbeats, ready)
         log.info("engine subscribed", extra={"engine_id": engine_id})
         try:
             # Headers now tell the engine it is subscribed before any action exists.
             await context.send_initial_metadata(self.subscription_headers)
-            while (batch := await self._next_batch(subscription, ready)) is not None:
+            while (batch := await self._next_batch(subscription, ready, beat)) is not None:
+                if not batch:
+                    yield HEARTBEAT
+                    continue
                 await self.durably(context)
                 for dispatch in batch:
                     yield convert.action(dispatch)
+                if beat is not None:
+                    beat.written = True
         finally:
+            if beat is not None:
+                beat.stop()
             self.registry.delivery.unsubscribe(subscription)
             log.info("engine stream ended", extra={"engine_id": engine_id})
 
@@ -263,15 +288,23 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             self._engine_incarnation(subscription.engine_id, incarnation)
         return subscription
 
+    def _heartbeat(self, asked: bool, ready: asyncio.Event) -> Heartbeat | None:
+        if not asked:
+            return None
+        return Heartbeat(ready, self.registry.settings.heartbeat_interval_s)
+
     async def _next_batch(
-        self, subscription: Subscription, ready: asyncio.Event
+        self, subscription: Subscription, ready: asyncio.Event, beat: Heartbeat | None
     ) -> list[Dispatch] | None:
-        """Wait for work on ``subscription``; None once it has been replaced."""
+        """Wait for work on ``subscription``; None once it has been replaced, and
+        an empty batch when a heartbeat is due."""
         while True:
             ready.clear()
             batch = self.registry.delivery.take(subscription, STREAM_BATCH)
             if batch is None or batch:
                 return batch
+            if beat is not None and beat.take():
+                return []
             await ready.wait()
 
     async def Connect(
@@ -289,6 +322,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         except Exception as error:
             await self.refuse(context, "Connect", "connect", error)
         owed = Owed(batch=hello.batch, lean_acks=hello.lean_acks)
+        beat = self._heartbeat(hello.heartbeats, ready)
         reader = asyncio.create_task(
             self._read_reports(hello.engine_id, request_iterator, owed, ready)
         )
@@ -305,6 +339,8 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                     await self.durably(context)
                     for response in responses:
                         yield response
+                    if beat is not None:
+                        beat.written = True
                     continue
                 if reader.done():
                     try:
@@ -313,8 +349,13 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                         # Everything before the refused message is acknowledged.
                         await self.refuse(context, "Connect", f"engine {hello.engine_id}", error)
                     return  # the engine half-closed and everything is acknowledged
+                if beat is not None and beat.take():
+                    yield owed.heartbeat()
+                    continue
                 await ready.wait()
         finally:
+            if beat is not None:
+                beat.stop()
             reader.cancel()
             self.registry.delivery.unsubscribe(subscription)
             log.info("engine disconnected", extra={"engine_id": hello.engine_id})
@@ -418,6 +459,12 @@ class Owed:
         self.acks += 1
         return ack
 
+    def heartbeat(self) -> pb.ConnectResponse:
+        """A heartbeat, packed as this stream's actions are."""
+        if self.batch:
+            return pb.ConnectResponse(actions=[HEARTBEAT])
+        return pb.ConnectResponse(action=HEARTBEAT)
+
     def responses(self, dispatches: list[Dispatch]) -> list[pb.ConnectResponse]:
         """The messages to write now: every ack owed so far, then ``dispatches``."""
         messages = list(self._messages)
@@ -434,6 +481,45 @@ class Owed:
         else:
             messages.append(pb.ConnectResponse(actions=actions))
         return messages
+
+
+class Heartbeat:
+    """When an idle stream that asked for heartbeats is owed one.
+
+    A timer ticks every half interval; a tick that finds nothing written
+    since the one before marks a heartbeat due and wakes the writer. So one
+    follows at most an interval after the stream's last message; a stream
+    with anything to write never gets one, and one never delays or reorders
+    an action (the writer sends it only where it would otherwise wait). Its
+    cost is a timer per half interval per stream, not one per wait.
+    """
+
+    __slots__ = ("written", "_due", "_ready", "_half_s", "_timer")
+
+    def __init__(self, ready: asyncio.Event, interval_s: float) -> None:
+        self.written = True  # set by the writer after each message
+        self._due = False
+        self._ready = ready
+        self._half_s = interval_s / 2
+        self._timer = asyncio.get_running_loop().call_later(self._half_s, self._tick)
+
+    def _tick(self) -> None:
+        if not self.written:
+            self._due = True
+            self._ready.set()
+        self.written = False
+        self._timer = asyncio.get_running_loop().call_later(self._half_s, self._tick)
+
+    def take(self) -> bool:
+        """Whether to send a heartbeat now; once per one due."""
+        if not self._due:
+            return False
+        self._due = False
+        self.written = True
+        return True
+
+    def stop(self) -> None:
+        self._timer.cancel()
 
 
 @dataclass(frozen=True, slots=True)
