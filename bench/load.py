@@ -35,6 +35,7 @@ import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_client.placement import place
 
 if TYPE_CHECKING:  # the async stub type exists only for the type checker
     Stub = pb_grpc.HandoffCoordinatorAsyncStub
@@ -81,6 +82,11 @@ class LoadSpec:
     frontend_only: bool = False  # no engines: each handoff stays started, its first action queued
     shard: int = 0  # engine ids are distinct per shard, so shards never share a stream
     batch: bool = True  # stream path: several items per Connect message, lean acks
+    # Sharded: the placing shards' names, and the one ``target`` is. The
+    # frontend starts only ids that shard wins (a routing client sends the
+    # others elsewhere), so each load process drives one shard.
+    shard_names: tuple[str, ...] = ()
+    shard_name: str = ""
 
 
 @dataclass
@@ -343,7 +349,7 @@ class Frontend:
         self.sequence += 1
         spec, book = self.spec, self.book
         pair = index % spec.pairs
-        handoff_id = str(uuid.uuid4())
+        handoff_id = self.new_id()
         flight = Flight(2, asyncio.get_running_loop().create_future())
         book.flights[handoff_id] = flight
         book.result.started += 1
@@ -364,6 +370,14 @@ class Frontend:
         if spec.frontend_only:
             book.finish(handoff_id, flight)
         await flight.done
+
+    def new_id(self) -> str:
+        """A new id this frontend's shard wins (any new id when unsharded)."""
+        names, mine = self.spec.shard_names, self.spec.shard_name
+        while True:
+            handoff_id = str(uuid.uuid4())
+            if not names or place(handoff_id, names) == mine:
+                return handoff_id
 
     async def closed_loop(self) -> None:
         """Keep ``concurrency`` handoffs in flight until stopped (or ``count`` started)."""

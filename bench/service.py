@@ -7,7 +7,15 @@ service and against the empty-handler floor (bench/floor.py); handoff and fact-t
 latency at half the maximum rate; server CPU per handoff; RSS per live and per
 retained handoff; and a soak whose RSS must come back once retention expires.
 
-Run: make bench   (or: .venv/bin/python -m bench.service --quick for a smoke run)
+``--shards N`` compares one shard with N (``handoff serve --shard-count N``,
+one process per shard) instead, in interleaved rounds on the batched
+streaming path: one load process per shard starts only the ids its shard
+wins, and each shard's CPU is divided by the handoffs it served. The figure
+that must hold: server CPU per handoff per shard within 10% of the single
+shard's (sharding adds no hidden per-handoff cost).
+
+Run: make bench   (or: .venv/bin/python -m bench.service --quick for a smoke run;
+.venv/bin/python -m bench.service --shards 2 for the shard comparison)
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import argparse
 import multiprocessing
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +36,8 @@ from bench.load import LoadResult, LoadSpec, run_in_process
 from bench.procs import ServerProcess
 
 PHASES = ("throughput", "latency", "memory", "soak")
+SHARD_PREFIX = "handoff"  # not the machine's hostname
+CPU_PER_SHARD_TOLERANCE = 0.10
 
 
 @dataclass(frozen=True)
@@ -43,12 +54,13 @@ class Plan:
     soak_s: float
     soak_warmup_s: float
     retention_s: float  # the soak server's retention: expiry must happen within the run
+    shard_rounds: int  # --shards: interleaved rounds of 1 shard and N shards
 
 
 # Retained handoffs each cost a full success path to make, so fewer are made
 # than live ones (which cost one StartHandoff); the figure is per handoff.
-FULL = Plan(20.0, 60.0, 3.0, 128, 4, 100_000, 30_000, 2_000, 2.0, 600.0, 20.0, 30.0)
-QUICK = Plan(0.8, 0.8, 0.2, 32, 2, 300, 300, 50, 0.2, 1.5, 0.5, 0.3)
+FULL = Plan(20.0, 60.0, 3.0, 128, 4, 100_000, 30_000, 2_000, 2.0, 600.0, 20.0, 30.0, 5)
+QUICK = Plan(0.8, 0.8, 0.2, 32, 2, 300, 300, 50, 0.2, 1.5, 0.5, 0.3, 1)
 
 
 @dataclass
@@ -151,7 +163,20 @@ def say(message: str) -> None:
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run (< 20 s)")
-    parser.add_argument("--only", default=",".join(PHASES), help="phases, comma-separated")
+    parser.add_argument(
+        "--only",
+        help=f"phases, comma-separated (default: all of {','.join(PHASES)}, or none with --shards)",
+    )
+    parser.add_argument(
+        "--shards", type=int, default=0, help="compare 1 shard with this many (2 or more)"
+    )
+    parser.add_argument("--rounds", type=int, help="--shards: interleaved rounds")
+    parser.add_argument(
+        "--shard-rate",
+        type=float,
+        default=100.0,
+        help="--shards: the paced load per shard, handoffs/s (both deployments get it)",
+    )
     parser.add_argument("--clients", type=int, default=1, help="load processes (shards)")
     parser.add_argument("--duration-s", type=float, help="each measured window")
     parser.add_argument("--stream-duration-s", type=float, help="streaming service window")
@@ -180,6 +205,7 @@ def plan_of(args: argparse.Namespace) -> Plan:
         "retained": args.retained,
         "soak_s": args.soak_s,
         "retention_s": args.retention_s,
+        "shard_rounds": args.rounds,
     }
     return replace(plan, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -187,9 +213,13 @@ def plan_of(args: argparse.Namespace) -> Plan:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     plan = plan_of(args)
-    phases = set(args.only.split(","))
+    default = "" if args.shards else ",".join(PHASES)
+    phases = set(filter(None, (args.only if args.only is not None else default).split(",")))
     if unknown := phases - set(PHASES):
         print(f"unknown phases: {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    if args.shards == 1 or args.shards < 0:
+        print("--shards compares one shard with N: give 2 or more", file=sys.stderr)
         return 2
     load_before = load_average()
     began = time.monotonic()
@@ -208,8 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         servers["soak"] = memory.memory_server(plan.retention_s, "soak", *loop)
     lines: list[str] = []
     try:
-        with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
+        processes = max(args.clients, args.shards)
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
             lines = run_phases(pool, args, plan, phases, servers)
+            if args.shards:
+                lines += compare_shards(pool, plan, args.shards, args.shard_rate, loop)
     finally:
         for server in servers.values():
             server.stop()
@@ -219,8 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}; load average {load_before} before, "
         f"{load_average()} after; {time.monotonic() - began:.0f} s; "
-        f"{args.clients} load process(es), {plan.pairs} engine pairs each; "
-        f"servers on the {args.event_loop} event loop."
+        f"{args.clients} load process(es)"
+        + (f" (shards: one per shard, {plan.concurrency} in flight each)" if args.shards else "")
+        + f", {plan.pairs} engine pairs each; servers on the {args.event_loop} event loop."
     )
     print()
     print("\n".join(lines))
@@ -301,6 +335,178 @@ def run_phases(
         )
         lines += soak_table(outcome)
     return lines
+
+
+@dataclass
+class ShardRun:
+    """One shard's share of one window: its handoffs and its server's CPU."""
+
+    shards: int  # in the deployment
+    name: str
+    result: LoadResult
+    server_cpu_s: float
+    wall_s: float
+
+    @property
+    def cpu_per_handoff_us(self) -> float:
+        done = self.result.total_completed
+        return self.server_cpu_s / done * 1e6 if done else float("nan")
+
+
+def shard_servers(count: int, loop: Sequence[str]) -> list[ServerProcess]:
+    """``count`` shard processes (one: an unsharded coordinator, the default)."""
+    if count == 1:
+        return [ServerProcess.service(*loop, name="shard x1")]
+    return [
+        ServerProcess.service(
+            *loop,
+            *("--shard-count", str(count), "--shard-ordinal", str(ordinal)),
+            *("--shard-name-prefix", SHARD_PREFIX),
+            name=f"{SHARD_PREFIX}-{ordinal}",
+        )
+        for ordinal in range(count)
+    ]
+
+
+def drive_shards(pool: Pool, servers: Sequence[ServerProcess], spec: LoadSpec) -> list[ShardRun]:
+    """One load process per shard, all at once, each starting only the ids its shard wins."""
+    names = tuple(f"{SHARD_PREFIX}-{k}" for k in range(len(servers))) if len(servers) > 1 else ()
+    specs = [
+        replace(
+            spec,
+            target=server.target,
+            shard=index,
+            shard_names=names,
+            shard_name=names[index] if names else "",
+        )
+        for index, server in enumerate(servers)
+    ]
+    cpu, began = [server.cpu_s() for server in servers], time.monotonic()
+    results = pool.map(run_in_process, specs)
+    wall = time.monotonic() - began
+    return [
+        ShardRun(len(servers), server.name, result, server.cpu_s() - before, wall)
+        for server, result, before in zip(servers, results, cpu, strict=True)
+    ]
+
+
+def compare_shards(
+    pool: Pool, plan: Plan, count: int, shard_rate: float, loop: Sequence[str]
+) -> list[str]:
+    """1 shard against ``count``, in interleaved rounds on the batched stream path.
+
+    Each round runs both deployments (the order alternates) twice: at the
+    maximum rate (each shard's load process keeps ``concurrency`` in
+    flight), for the throughput as measured; and paced at ``shard_rate``
+    handoffs/s per shard, for CPU per handoff at the same load per shard.
+    The paced figure is the one compared: a server's CPU per handoff falls
+    as its load rises (more reports share a message), and on two shared
+    cores N shards at their maximum each get a fraction of the single
+    shard's load, so the maximum-rate windows would measure batching and
+    the machine, not sharding.
+    """
+    single, sharded = shard_servers(1, loop), shard_servers(count, loop)
+    base = LoadSpec(
+        target="",
+        path="stream",
+        pairs=plan.pairs,
+        concurrency=plan.concurrency,
+        duration_s=plan.duration_s,
+        warmup_s=plan.warmup_s,
+    )
+    windows: list[tuple[int, str, list[ShardRun]]] = []
+    try:
+        for round_ in range(1, plan.shard_rounds + 1):
+            order = (single, sharded) if round_ % 2 else (sharded, single)
+            for mode, spec in (
+                ("max", base),
+                (f"{shard_rate:g}/s", replace(base, rate=shard_rate)),
+            ):
+                for servers in order:
+                    say(f"shards: round {round_}, {len(servers)} shard(s), {mode}")
+                    windows.append((round_, mode, drive_shards(pool, servers, spec)))
+    finally:
+        for server in (*single, *sharded):
+            server.stop()
+    return shard_table(windows, count, shard_rate)
+
+
+def shard_table(
+    windows: list[tuple[int, str, list[ShardRun]]], count: int, shard_rate: float
+) -> list[str]:
+    lines = [
+        "",
+        "| round | load per shard | shards | shard | handoffs/s | server CPU µs/handoff | "
+        "server CPU use | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for round_, mode, runs in windows:
+        for run in runs:
+            r = run.result
+            achieved = r.completed / r.window_s if r.window_s else 0.0
+            lines.append(
+                f"| {round_} | {mode} | {run.shards} | {run.name} | {achieved:,.0f} | "
+                f"{run.cpu_per_handoff_us:,.0f} | {run.server_cpu_s / run.wall_s:.0%} | "
+                f"{r.rejected + r.unfinished} |"
+            )
+
+    def chosen(shards: int, mode: str) -> list[ShardRun]:
+        return [run for _, m, runs in windows if m == mode for run in runs if run.shards == shards]
+
+    def per_handoff_us(runs: list[ShardRun]) -> float:
+        done = sum(run.result.total_completed for run in runs)
+        return sum(run.server_cpu_s for run in runs) / done * 1e6 if done else float("nan")
+
+    rounds = max((round_ for round_, _, _ in windows), default=1)
+
+    def aggregate(runs: list[ShardRun]) -> float:
+        """Handoffs/s of every shard together, averaged over the rounds."""
+        return (
+            sum(r.result.completed / r.result.window_s for r in runs if r.result.window_s) / rounds
+        )
+
+    paced = f"{shard_rate:g}/s"
+    one_us, many_us = per_handoff_us(chosen(1, paced)), per_handoff_us(chosen(count, paced))
+
+    # Each round's two deployments ran back to back: their ratio is paired,
+    # and the median over rounds shrugs off a round another process disturbed.
+    def paced_in(round_: int, shards: int) -> list[ShardRun]:
+        return [
+            run
+            for r, mode, runs in windows
+            if (r, mode) == (round_, paced)
+            for run in runs
+            if run.shards == shards
+        ]
+
+    ratios = sorted(
+        per_handoff_us(paced_in(r, count)) / per_handoff_us(paced_in(r, 1))
+        for r in range(1, rounds + 1)
+    )
+    ratio = statistics.median(ratios) if ratios else float("nan")
+    holds = abs(ratio - 1) <= CPU_PER_SHARD_TOLERANCE
+    max_one, max_many = per_handoff_us(chosen(1, "max")), per_handoff_us(chosen(count, "max"))
+    errors = sum(r.result.rejected + r.result.unfinished for _, _, runs in windows for r in runs)
+    per_core = 1e6 / max_one if max_one else 0.0
+    return [
+        *lines,
+        "",
+        f"- server CPU per handoff at {paced} per shard: 1 shard {one_us:,.0f} µs, {count} "
+        f"shards {many_us:,.0f} µs per shard (all rounds pooled: {many_us / one_us:.2f}x); "
+        f"{count} shards against 1, round by round: "
+        + ", ".join(f"{r:.2f}x" for r in ratios)
+        + f"; median {ratio:.2f}x: {'HOLDS' if holds else 'FAILS'} "
+        f"(within {CPU_PER_SHARD_TOLERANCE:.0%}); errors {errors}",
+        f"- at the maximum rate: 1 shard {max_one:,.0f} µs, {count} shards {max_many:,.0f} µs "
+        "per handoff per shard (each of N shards gets 1/N of the cores the single one had)",
+        f"- aggregate throughput as measured at the maximum rate: 1 shard "
+        f"{aggregate(chosen(1, 'max')):,.0f} handoffs/s, {count} shards "
+        f"{aggregate(chosen(count, 'max')):,.0f} handoffs/s (mean per round; the load "
+        "processes share the machine's cores with the servers)",
+        f"- capacity model: {per_core:,.0f} handoffs/s per core (the single shard's CPU per "
+        f"handoff at its maximum) x shards: {per_core * count:,.0f} handoffs/s for {count} "
+        "shards, each with a core of its own and the load elsewhere",
+    ]
 
 
 def throughput_table(measured: list[Measured]) -> list[str]:

@@ -24,6 +24,7 @@ from tests.conftest import StartServer
 
 HANDOFF = str(Path(sys.executable).with_name("handoff"))
 TIMEOUT_S = 60.0
+SHARDS = ("handoff-0", "handoff-1", "handoff-2")
 
 
 def number(pattern: str, text: str) -> int:
@@ -45,13 +46,13 @@ def coordinator_pid(first_line: str) -> int:
     return number(r"^coordinator pid (\d+) on 127\.0\.0\.1:\d+", first_line)
 
 
-def demo(*flags: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+def demo(*flags: str, tmp: Path, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
     """``handoff demo`` as a user runs it; its temporary directory under ``tmp``."""
     return subprocess.run(
         [HANDOFF, "demo", *flags],
         capture_output=True,
         text=True,
-        timeout=TIMEOUT_S,
+        timeout=timeout_s,
         check=False,
         env={**os.environ, "TMPDIR": str(tmp)},
     )
@@ -194,3 +195,58 @@ def test_only_the_demo_can_crash_its_coordinator(capsys: pytest.CaptureFixture[s
     with pytest.raises(SystemExit):
         parser.parse_args(["sim", "--target", "127.0.0.1:1", "--coordinator-crashes", "1"])
     assert "--coordinator-crashes" in capsys.readouterr().err
+
+
+def test_a_three_shard_demo_crashes_one_shard_and_loses_nothing(tmp_path: Path) -> None:
+    done = demo(
+        *("--shards", "3", "--duration", "3", "--rate", "30", "--time-scale", "0.5"),
+        *("--handoff-timeout", "5", "--seed", "5"),
+        tmp=tmp_path,
+        timeout_s=2 * TIMEOUT_S,  # three coordinators start on a busy machine
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    lines = out.splitlines()
+    pids = {
+        name: number(rf"^shard {name}: coordinator pid (\d+) on 127\.0\.0\.1:\d+", line)
+        for name, line in zip(SHARDS, lines, strict=False)
+    }
+    assert lines[3].endswith("sidecars on Connect, each connected to all 3 shards")
+    assert "leaked: 0 blocks" in out
+    assert "stuck: 0" in out
+    assert "PASS: every handoff finished" in out
+    # Every shard started handoffs (the frontend routed each to its owner), and
+    # none was refused as misrouted.
+    per_shard = re.search(
+        r"shards: handoff-0 (\d+), handoff-1 (\d+) \(killed and restarted\), "
+        r"handoff-2 (\d+) handoffs started",
+        out,
+    )
+    assert per_shard is not None, out
+    counts = [int(n) for n in per_shard.groups()]
+    assert min(counts) > 0
+    assert sum(counts) == number(r"handoffs: (\d+) started", out)
+    assert "misrouted starts: 0" in out
+    # The second shard, and it alone, was killed with -9 and came back.
+    crash = re.search(
+        r"coordinator: shard handoff-1 killed 1x with \d+ handoffs in flight, restarted in "
+        r"\S+ m?s, recovered (\d+) handoffs in \S+ m?s \(kill -9 of pid (\d+); now pid (\d+)\)",
+        out,
+    )
+    assert crash is not None, out
+    recovered, killed, restarted = (int(g) for g in crash.groups())
+    assert killed == pids["handoff-1"] != restarted
+    assert recovered > 0
+    assert "3 shards, counters summed over 4 coordinator processes" in out
+    # The servers started exactly what the frontend did, shard by shard.
+    started = re.search(
+        r"\n\s+started: (\d+) \(by shard: handoff-0 (\d+), handoff-1 (\d+) \(\d+ recovered.*?"
+        r"handoff-2 (\d+)\)",
+        out,
+    )
+    assert started is not None, out
+    assert [int(n) for n in started.groups()] == [sum(counts), *counts]
+    # No coordinator process outlives the demo, the restarted one included.
+    for pid in (*pids.values(), restarted):
+        assert not alive(pid)
+    assert list(tmp_path.glob("handoff-demo-*")) == []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +25,7 @@ from handoff_client import (
     SidecarTransport,
     UnaryTransport,
 )
-from handoff_client.sidecar import SidecarStats
+from handoff_client.sidecar import EngineSidecar, SidecarStats
 from handoff_client.sim.cluster import Cluster
 from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
 from handoff_client.sim.faults import CoordinatorCrash
@@ -129,6 +131,60 @@ async def test_every_fault_at_small_scale_leaks_nothing(
     assert result.sidecars.reconnects >= result.stream_drops
 
 
+async def test_every_fault_against_three_shards_leaks_nothing(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    # Three shards in this process (the demo's are processes: test_demo.py).
+    names = ("handoff-0", "handoff-1", "handoff-2")
+    ports = [free_port() for _ in names]
+    shard_map = tmp_path / "shards.json"
+    shard_map.write_text(
+        json.dumps({n: f"127.0.0.1:{p}" for n, p in zip(names, ports, strict=True)})
+    )
+    shards = [
+        await start_server(
+            port=port,
+            shard_count=3,
+            shard_ordinal=ordinal,
+            shard_map=str(shard_map),
+            shard_name_prefix="handoff",  # not this machine's hostname
+            delivery_timeout_s=2.0,
+            cleanup_timeout_s=4.0,
+            cleanup_redelivery_s=0.1,
+        )
+        for ordinal, port in enumerate(ports)
+    ]
+    async with (
+        HandoffClient(f"127.0.0.1:{ports[0]}") as client,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        result = await simulate(client, EVERY_FAULT)
+        metrics = [
+            await scrape(f"http://127.0.0.1:{shard.metrics_port}/metrics") for shard in shards
+        ]
+    assert result.ok, render(result, metrics)
+    assert result.stream_drops > 0
+    assert len(result.killed) == len(result.restarted) == 1
+    # Each shard started the handoffs the frontend placed on it, and refused none.
+    by_shard = dict(result.handoffs_by_shard)
+    assert list(by_shard) == list(names)
+    assert sum(by_shard.values()) == result.counters.started == len(result.journeys)
+    for name, scraped in zip(names, metrics, strict=True):
+        assert scraped.total("handoff_started_total") == by_shard[name] > 0
+        assert scraped.total("handoff_misrouted_starts_total") == 0
+        assert scraped.by_label("handoff_handoffs", "phase")["active"] == 0
+    # The restarted engine came back on every shard under one new incarnation:
+    # a shard that had its unfinished handoffs declared the old one lost, once.
+    restarted = [
+        scraped.by_label("handoff_engines_lost_total", "cause").get("restarted", 0.0)
+        for scraped in metrics
+    ]
+    assert max(restarted) == 1
+    summary = render(result, metrics)
+    assert "shards: handoff-0 " in summary
+    assert "3 shards, counters summed" in summary
+
+
 def test_a_pool_gives_back_exactly_what_it_took() -> None:
     pool = KvBlockPool(capacity=10, block_size=16)
     assert pool.allocate("a", 100)  # 7 blocks
@@ -182,7 +238,7 @@ def journey(handoff_id: str, final: Handoff | None, *, finished: bool = True) ->
 async def test_the_leak_check_finds_held_blocks_and_unfinished_handoffs() -> None:
     config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)))
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
-        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
         decode = cluster.routable(EngineType.VLLM, Role.DESTINATION)[0].engine
         decode.pool.allocate("leaky", 40)
         journeys = [
@@ -255,15 +311,17 @@ async def test_the_fleet_uses_the_transport_asked_for(
 ) -> None:
     config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)), transport=transport)
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
-        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
-    assert {type(node.sidecar.transport) for node in cluster.nodes} == {expected}
+        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
+    sidecars = [node.sidecar for node in cluster.nodes]
+    assert all(isinstance(sidecar, EngineSidecar) for sidecar in sidecars)  # one shard
+    assert {type(s.transport) for s in sidecars if isinstance(s, EngineSidecar)} == {expected}
 
 
 async def test_a_dead_engine_never_takes_the_last_of_its_role() -> None:
     config = SimConfig(prefill_engines=1, decode_engines=1, faults=FaultProfile(dead_engines=1))
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:
         with pytest.raises(ValueError, match="keep one of each role"):
-            Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+            Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
 
 
 async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
@@ -277,7 +335,7 @@ async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
         faults=FaultProfile(restarted_engines=1),
     )
     async with HandoffClient(f"127.0.0.1:{server.port}") as client:
-        cluster = Cluster(client, config, RequestBook(), lambda _: None, random.Random(1))
+        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
         [node] = cluster.to_restart
         old_engine, old_sidecar = node.engine, node.sidecar
         async with asyncio.timeout(TIMEOUT_S):

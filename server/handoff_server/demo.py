@@ -6,18 +6,27 @@ it for real: the "coordinator crash" fault kills it with SIGKILL mid-run and
 restarts it on the same port and state dir, and the engines and the frontend
 ride through. The temporary directory (state dir and the coordinator's log)
 is removed after a PASS and kept, and named, otherwise.
+
+``--shards N`` runs N coordinator processes instead, the shards of one
+coordinator (docs/sharding.md): each with its own state dir, all sharing a
+shard map file written once their ports are known. The frontend routes by
+owner, every engine is connected to every shard, and the crash fault kills
+one shard (the second) and restarts it while the others serve on.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from handoff_client.client import HandoffClient
@@ -57,6 +66,9 @@ SERVER_SETTINGS = Settings(
 RIDE_THROUGH = RetryPolicy(max_attempts=100, backoff=Backoff(initial_s=0.05, max_s=0.5))
 RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 
+SHARD_PREFIX = "handoff"  # shard names handoff-0 ..., whatever this machine's hostname
+MAX_SHARDS = 8
+
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = commands.add_parser(
@@ -76,6 +88,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     options.add_arguments(parser, DEFAULTS, own_coordinator=True)
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="coordinator shards, each its own process with its own state dir; the crash "
+        "fault kills one of them (the second)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -85,9 +104,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"handoff demo: {error}", file=sys.stderr)
         return 2
+    if not 1 <= args.shards <= MAX_SHARDS:
+        print(f"handoff demo: --shards must be 1 to {MAX_SHARDS}", file=sys.stderr)
+        return 2
     log_path = options.log_to_file(args.log_file)
     try:
-        ok = asyncio.run(_demo(config))
+        ok = asyncio.run(_demo(config, args.shards))
     except CoordinatorError as error:
         print(f"handoff demo: {error}", file=sys.stderr)
         return 1
@@ -102,25 +124,59 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-async def _demo(config: SimConfig) -> bool:
+def shard_settings(count: int, shard_map: Path) -> list[Settings]:
+    """Each shard's settings: the demo's, with its identity; one shard: the demo's alone."""
+    if count == 1:
+        return [SERVER_SETTINGS]
+    return [
+        replace(
+            SERVER_SETTINGS,
+            shard_count=count,
+            shard_ordinal=ordinal,
+            shard_name_prefix=SHARD_PREFIX,
+            shard_map=str(shard_map),
+        )
+        for ordinal in range(count)
+    ]
+
+
+def write_shard_map(path: Path, shards: Sequence[CoordinatorProcess]) -> None:
+    """Every shard's address, by name; replaced whole, so a shard never reads half of it."""
+    addresses = {f"{SHARD_PREFIX}-{k}": shard.address for k, shard in enumerate(shards)}
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(addresses), encoding="utf-8")
+    partial.replace(path)
+
+
+async def _demo(config: SimConfig, shards: int = 1) -> bool:
     # SIGTERM ends the demo as Ctrl-C does (asyncio.run handles that one):
     # the main task is cancelled, so the coordinator is stopped on the way out.
     main = asyncio.current_task()
     assert main is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
     directory = Path(tempfile.mkdtemp(prefix="handoff-demo-"))
+    shard_map = directory / "shards.json"
+    # A shard reads its map file at start; the addresses come once all serve.
+    shard_map.write_text("{}", encoding="utf-8")
     ok = False
     try:
-        async with coordinators([SERVER_SETTINGS], directory) as (coordinator,):
-            print(
-                f"coordinator pid {coordinator.pid} on {coordinator.address}, metrics on "
-                f"{coordinator.metrics_url}, journal in {coordinator.state_dir}; "
-                f"{config.engine_count} simulated engines, {options.sidecars_on(config)}",
-                flush=True,
-            )
-            crasher = Crasher(coordinator)
+        async with coordinators(shard_settings(shards, shard_map), directory) as running:
+            if shards > 1:
+                write_shard_map(shard_map, running)
+            engines = f"{config.engine_count} simulated engines, {options.sidecars_on(config)}"
+            if shards == 1:
+                (coordinator,) = running
+                print(f"{_where(coordinator)}; {engines}", flush=True)
+            else:
+                for ordinal, coordinator in enumerate(running):
+                    print(f"shard {SHARD_PREFIX}-{ordinal}: {_where(coordinator)}")
+                print(f"{engines}, each connected to all {shards} shards", flush=True)
+            # The second shard is the one that crashes: the client's first
+            # address (the first shard) stays up, as a Service would.
+            victim = 1 % shards
+            crasher = Crasher(running[victim], f"{SHARD_PREFIX}-{victim}" if shards > 1 else "")
             async with HandoffClient(
-                coordinator.address, retry=RIDE_THROUGH, channel_options=RECONNECT
+                running[0].address, retry=RIDE_THROUGH, channel_options=RECONNECT
             ) as client:
                 result = await simulate(
                     client,
@@ -128,7 +184,10 @@ async def _demo(config: SimConfig) -> bool:
                     sys.stdout,
                     crasher=crasher if config.faults.coordinator_crashes else None,
                 )
-            metrics = (await scrape(coordinator.metrics_url)).after(crasher.earlier)
+            metrics = [
+                (await scrape(c.metrics_url)).after(crasher.earlier if k == victim else ())
+                for k, c in enumerate(running)
+            ]
         print(render(result, metrics))
         ok = result.ok
     finally:
@@ -139,11 +198,20 @@ async def _demo(config: SimConfig) -> bool:
     return ok
 
 
-class Crasher:
-    """Crashes the demo's coordinator when the simulator says: kill -9, restart, recover."""
+def _where(coordinator: CoordinatorProcess) -> str:
+    return (
+        f"coordinator pid {coordinator.pid} on {coordinator.address}, metrics on "
+        f"{coordinator.metrics_url}, journal in {coordinator.state_dir}"
+    )
 
-    def __init__(self, coordinator: CoordinatorProcess) -> None:
+
+class Crasher:
+    """Crashes the demo's coordinator (one shard) when the simulator says: kill -9, restart,
+    recover."""
+
+    def __init__(self, coordinator: CoordinatorProcess, shard: str = "") -> None:
         self._coordinator = coordinator
+        self._shard = shard  # its name, when sharded
         # Each killed process's counters, scraped just before its kill.
         self.earlier: list[ServerMetrics] = []
 
@@ -176,4 +244,5 @@ class Crasher:
             restarted_in_s=restarted_in_s,
             recovered=round(now.latest("handoff_recovered_handoffs")),
             recovery_s=now.latest("handoff_recovery_seconds"),
+            shard=self._shard,
         )

@@ -1,39 +1,78 @@
-"""The simulated fleet: per stack, prefill and decode engines, each behind its own sidecar."""
+"""The simulated fleet: per stack, prefill and decode engines, each behind its own sidecar.
+
+Against a sharded coordinator an engine has one sidecar per shard
+(:class:`ShardSidecars`), each on a client bound to its shard, until
+EngineSidecar holds a stream per shard itself; see :meth:`Cluster._sidecar`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from handoff_client.client import HandoffClient
 from handoff_client.model import EngineType, Role
 from handoff_client.retry import Backoff
-from handoff_client.sidecar import EngineSidecar, SidecarStats
+from handoff_client.sidecar import EngineSidecar, SidecarStats, new_incarnation
 from handoff_client.sim.config import SimConfig
 from handoff_client.sim.engine import SimEngine
 from handoff_client.sim.faults import FlakyTransport
 from handoff_client.sim.pool import KvBlockPool
 from handoff_client.sim.workload import RequestBook
-from handoff_client.transport import make_transport
+from handoff_client.transport import SidecarTransport, make_transport
 
 # Simulated sidecars reconnect quickly: the demo's delivery timeout is short.
 SIM_RECONNECT = Backoff(initial_s=0.02, max_s=0.5)
 
 
+class ShardSidecars:
+    """One engine's sidecars, one per coordinator shard, used as one sidecar.
+
+    A handoff's actions come from the shard that owns it, on that shard's
+    sidecar, and the facts its handlers report go back through the same
+    sidecar, so to the same shard. The sidecars share the engine's
+    incarnation: to every shard, they are one engine process.
+    """
+
+    def __init__(self, sidecars: Sequence[EngineSidecar]) -> None:
+        self._sidecars = tuple(sidecars)
+        (self.incarnation,) = {sidecar.incarnation for sidecar in sidecars}
+
+    def start(self) -> None:
+        for sidecar in self._sidecars:
+            sidecar.start()
+
+    async def wait_subscribed(self) -> None:
+        await asyncio.gather(*(sidecar.wait_subscribed() for sidecar in self._sidecars))
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await asyncio.gather(*(sidecar.stop(grace_s) for sidecar in self._sidecars))
+
+    @property
+    def stats(self) -> SidecarStats:
+        return sum_stats([sidecar.stats for sidecar in self._sidecars])
+
+
+def sum_stats(stats: Sequence[SidecarStats]) -> SidecarStats:
+    return SidecarStats(
+        *(sum(getattr(s, f) for s in stats) for f in SidecarStats.__dataclass_fields__)
+    )
+
+
 @dataclass(slots=True)
 class Node:
-    """One engine, its sidecar, and its connection (flaky when drops are injected).
+    """One engine, its sidecar, and its connections (flaky when drops are injected).
 
-    A restart replaces all three: a new process under the same engine id.
+    A restart replaces them all: a new process under the same engine id.
     """
 
     stack: EngineType
     role: Role  # SOURCE: a prefill engine; DESTINATION: a decode engine
     engine: SimEngine
-    sidecar: EngineSidecar
-    transport: FlakyTransport | None
+    sidecar: EngineSidecar | ShardSidecars
+    transports: tuple[FlakyTransport, ...]  # empty when no drops are injected
 
     @property
     def engine_id(self) -> str:
@@ -43,14 +82,15 @@ class Node:
 class Cluster:
     def __init__(
         self,
-        client: HandoffClient,
+        shards: Sequence[HandoffClient],
         config: SimConfig,
         book: RequestBook,
         on_complete: Callable[[str], None],
         rng: random.Random,
     ) -> None:
+        """``shards``: a client per coordinator shard (bound to it), or the one client."""
         self.nodes: list[Node] = []
-        self._client = client
+        self._shards = tuple(shards)
         self._config = config
         self._book = book
         self._on_complete = on_complete
@@ -89,8 +129,8 @@ class Cluster:
 
     def _process(
         self, engine_id: str, role: Role
-    ) -> tuple[SimEngine, EngineSidecar, FlakyTransport | None]:
-        """A new engine process: empty memory, a sidecar with a new incarnation."""
+    ) -> tuple[SimEngine, EngineSidecar | ShardSidecars, tuple[FlakyTransport, ...]]:
+        """A new engine process: empty memory, sidecars with a new incarnation."""
         config, rng = self._config, self._rng
         faults, profile = config.faults, config.engine
         blocks = profile.prefill_blocks if role is Role.SOURCE else profile.decode_blocks
@@ -104,23 +144,44 @@ class Cluster:
             time_scale=config.time_scale,
             failure_rate=faults.action_failure_rate,
         )
-        flaky = None
-        transport = make_transport(self._client, config.transport)
-        if faults.stream_drop_every_s > 0:
-            transport = flaky = FlakyTransport(
+        transports: list[SidecarTransport] = []
+        flaky: list[FlakyTransport] = []
+        for shard in self._shards:
+            transport = make_transport(shard, config.transport)
+            if faults.stream_drop_every_s > 0:
+                # Each of the engine's connections drops as often as the
+                # engine's drop rate shared out over them.
+                transport = FlakyTransport(
+                    transport,
+                    mean_interval_s=faults.stream_drop_every_s * len(self._shards),
+                    blackout_s=faults.blackout_s,
+                    rng=random.Random(rng.random()),
+                )
+                flaky.append(transport)
+            transports.append(transport)
+        return engine, self._sidecar(engine, transports), tuple(flaky)
+
+    def _sidecar(
+        self, engine: SimEngine, transports: Sequence[SidecarTransport]
+    ) -> EngineSidecar | ShardSidecars:
+        """The engine's sidecar: one per shard's transport, sharing the engine's incarnation.
+
+        Once EngineSidecar holds a stream per shard itself, this is one
+        sidecar given the routing client instead of ShardSidecars.
+        """
+        incarnation = new_incarnation()
+        sidecars = [
+            EngineSidecar(
                 transport,
-                mean_interval_s=faults.stream_drop_every_s,
-                blackout_s=faults.blackout_s,
-                rng=random.Random(rng.random()),
+                engine.engine_id,
+                engine,
+                reconnect_backoff=SIM_RECONNECT,
+                rng=random.Random(self._rng.random()),
+                incarnation=incarnation,
             )
-        sidecar = EngineSidecar(
-            transport,
-            engine.engine_id,
-            engine,
-            reconnect_backoff=SIM_RECONNECT,
-            rng=random.Random(rng.random()),
-        )
-        return engine, sidecar, flaky
+            for transport in transports
+        ]
+        return sidecars[0] if len(sidecars) == 1 else ShardSidecars(sidecars)
 
     def _pick_doomed(self, count: int, rng: random.Random) -> list[Node]:
         """Engines that will die, chosen so every stack keeps one engine of each role."""
@@ -162,10 +223,9 @@ class Cluster:
         node.engine.kill()
         await node.sidecar.stop(grace_s=0)
         self._retired.append(node.sidecar.stats)
-        if node.transport is not None:
-            self._old_drops += node.transport.drops
+        self._old_drops += sum(transport.drops for transport in node.transports)
         self._old_failures += node.engine.injected_failures
-        node.engine, node.sidecar, node.transport = self._process(node.engine_id, node.role)
+        node.engine, node.sidecar, node.transports = self._process(node.engine_id, node.role)
         self.restarted.append(node.engine_id)
         node.sidecar.start()
         await node.sidecar.wait_subscribed()
@@ -197,14 +257,11 @@ class Cluster:
         return frozenset(n.engine_id for n in self.nodes if n.engine.dead)
 
     def sidecar_totals(self) -> SidecarStats:
-        stats = [n.sidecar.stats for n in self.nodes] + self._retired
-        return SidecarStats(
-            *(sum(getattr(s, f) for s in stats) for f in SidecarStats.__dataclass_fields__)
-        )
+        return sum_stats([n.sidecar.stats for n in self.nodes] + self._retired)
 
     @property
     def stream_drops(self) -> int:
-        live = sum(n.transport.drops for n in self.nodes if n.transport is not None)
+        live = sum(t.drops for n in self.nodes for t in n.transports)
         return live + self._old_drops
 
     @property

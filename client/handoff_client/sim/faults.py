@@ -101,6 +101,7 @@ class CoordinatorCrash:
     recovered: int  # handoffs it recovered from the journal (handoff_recovered_handoffs)
     recovery_s: float  # how long its replay took (handoff_recovery_seconds)
     in_flight: int = 0  # handoffs the frontend had in flight when it asked (the simulator's count)
+    shard: str = ""  # the shard killed, when the coordinator is sharded
 
 
 class CoordinatorCrasher(Protocol):

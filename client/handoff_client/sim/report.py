@@ -25,8 +25,10 @@ def duration(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def render(result: SimResult, metrics: ServerMetrics | str) -> str:
-    """The summary table; ``metrics`` is the server's scrape, or why it failed."""
+def render(result: SimResult, metrics: ServerMetrics | Sequence[ServerMetrics] | str) -> str:
+    """The summary table; ``metrics`` is the server's scrape (one per shard), or why it failed."""
+    if isinstance(metrics, ServerMetrics):
+        metrics = (metrics,)
     rows: list[tuple[str, str]] = []
     c = result.counters
     journeys = result.journeys
@@ -81,6 +83,8 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
             + (f" on {result.stuck_engine}" if result.stuck_handlers else ""),
         ),
     ]
+    if result.handoffs_by_shard:
+        rows.append(("shards", _shards(result)))
     if result.coordinator_crashes:
         rows.append(("coordinator", _crashes(result.coordinator_crashes)))
     rows += [
@@ -103,13 +107,27 @@ def render(result: SimResult, metrics: ServerMetrics | str) -> str:
     return "\n".join(lines)
 
 
+def _shards(result: SimResult) -> str:
+    """Handoffs per shard (the shard that answered each start), and which were killed."""
+    killed = {crash.shard for crash in result.coordinator_crashes}
+    return (
+        ", ".join(
+            f"{name} {count}" + (" (killed and restarted)" if name in killed else "")
+            for name, count in result.handoffs_by_shard
+        )
+        + " handoffs started"
+    )
+
+
 def _crashes(crashes: Sequence[CoordinatorCrash]) -> str:
     def each(values: list[str]) -> str:
         return " / ".join(values)
 
     killed = ", ".join(str(c.killed_pid) for c in crashes)
+    shards = sorted({c.shard for c in crashes if c.shard})
     return (
-        f"killed {len(crashes)}x with {each([str(c.in_flight) for c in crashes])} handoffs "
+        (f"shard {', '.join(shards)} " if shards else "")
+        + f"killed {len(crashes)}x with {each([str(c.in_flight) for c in crashes])} handoffs "
         "in flight, restarted in "
         f"{each([duration(c.restarted_in_s) for c in crashes])}, recovered "
         f"{each([str(c.recovered) for c in crashes])} handoffs in "
@@ -118,37 +136,61 @@ def _crashes(crashes: Sequence[CoordinatorCrash]) -> str:
     )
 
 
-def _server_heading(metrics: ServerMetrics | str, crashes: Sequence[CoordinatorCrash]) -> str:
-    if isinstance(metrics, str) or metrics.processes == 1:
+def _server_heading(
+    metrics: Sequence[ServerMetrics] | str, crashes: Sequence[CoordinatorCrash]
+) -> str:
+    if isinstance(metrics, str):
         return "server /metrics"
+    processes = sum(shard.processes for shard in metrics)
+    shards = f"{len(metrics)} shards, " if len(metrics) > 1 else ""
+    if processes == len(metrics):
+        return f"server /metrics ({shards}counters summed)" if shards else "server /metrics"
     gap = max((c.scraped_before_s for c in crashes), default=0.0)
+    gauges = "the running ones'" if shards else "the running one's"
     return (
-        f"server /metrics (counters summed over {metrics.processes} coordinator processes; "
+        f"server /metrics ({shards}counters summed over {processes} coordinator processes; "
         f"a killed one's were scraped at most {duration(gap)} before its SIGKILL, and what it "
-        "counted in between is in neither; gauges are the running one's)"
+        f"counted in between is in neither; gauges are {gauges})"
     )
 
 
-def _server_rows(metrics: ServerMetrics | str) -> list[str]:
+def _by_label(shards: Sequence[ServerMetrics], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for shard in shards:
+        for key, value in shard.by_label(name, label).items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _total(shards: Sequence[ServerMetrics], name: str) -> float:
+    return sum(shard.total(name) for shard in shards)
+
+
+def _server_rows(metrics: Sequence[ServerMetrics] | str) -> list[str]:
     if isinstance(metrics, str):
         return [f"{'unavailable':>{KEY_WIDTH}}: {metrics}"]
-    completed = metrics.by_label("handoff_completed_total", "result")
-    phases = metrics.by_label("handoff_handoffs", "phase")
-    rejections = metrics.by_label("handoff_rejections_total", "code")
+    completed = _by_label(metrics, "handoff_completed_total", "result")
+    phases = _by_label(metrics, "handoff_handoffs", "phase")
+    rejections = _by_label(metrics, "handoff_rejections_total", "code")
     lines = [_started(metrics)]
     rows = [
         ("completed success", completed.get("success", 0.0)),
         ("completed canceled", completed.get("canceled", 0.0)),
-        ("reopened", metrics.total("handoff_reopened_total")),
-        ("timed out", metrics.total("handoff_timed_out_total")),
-        ("abandoned", metrics.total("handoff_abandoned_total")),
-        ("redeliveries", metrics.total("handoff_redeliveries_total")),
+        ("reopened", _total(metrics, "handoff_reopened_total")),
+        ("timed out", _total(metrics, "handoff_timed_out_total")),
+        ("abandoned", _total(metrics, "handoff_abandoned_total")),
+        ("redeliveries", _total(metrics, "handoff_redeliveries_total")),
         ("active now", phases.get("active", 0.0)),
         ("cleaning up now", phases.get("cleaning_up", 0.0)),
-        ("facts from server", metrics.by_label("handoff_facts_total", "origin").get("server", 0.0)),
+        (
+            "facts from server",
+            _by_label(metrics, "handoff_facts_total", "origin").get("server", 0.0),
+        ),
     ]
+    if len(metrics) > 1:
+        rows.append(("misrouted starts", _total(metrics, "handoff_misrouted_starts_total")))
     lines += [f"{key:>{KEY_WIDTH}}: {value:.0f}" for key, value in rows]
-    lost = metrics.by_label("handoff_engines_lost_total", "cause")
+    lost = _by_label(metrics, "handoff_engines_lost_total", "cause")
     lines.append(
         f"{'engines lost':>{KEY_WIDTH}}: "
         + ", ".join(f"{cause} {lost.get(cause, 0.0):.0f}" for cause in LOST_CAUSES)
@@ -159,21 +201,41 @@ def _server_rows(metrics: ServerMetrics | str) -> list[str]:
     return lines
 
 
-def _started(metrics: ServerMetrics) -> str:
+def _started(shards: Sequence[ServerMetrics]) -> str:
     """Handoffs the server started; after a restart, exactly, from the running process's figures.
 
     A sum of counters would miss what the killed process started between its
     last scrape and the kill; the journal misses nothing it committed.
     """
     key = f"{'started':>{KEY_WIDTH}}"
+    if len(shards) > 1:
+        each = [_started_by(shard) for shard in shards]
+        return (
+            f"{key}: {sum(n for n, _ in each):.0f} (by shard: "
+            + ", ".join(
+                f"{_shard_name(shard)} {n:.0f}{how}"
+                for shard, (n, how) in zip(shards, each, strict=True)
+            )
+            + ")"
+        )
+    started, how = _started_by(shards[0])
+    return f"{key}: {started:.0f}{how}"
+
+
+def _started_by(metrics: ServerMetrics) -> tuple[float, str]:
     if metrics.processes == 1:
-        return f"{key}: {metrics.total('handoff_started_total'):.0f}"
+        return metrics.total("handoff_started_total"), ""
     recovered = metrics.latest("handoff_recovered_handoffs")
     since = metrics.latest("handoff_started_total")
-    return (
-        f"{key}: {recovered + since:.0f} ({recovered:.0f} recovered from the journal "
-        f"at the last restart, {since:.0f} started since)"
+    return recovered + since, (
+        f" ({recovered:.0f} recovered from the journal at the last restart, "
+        f"{since:.0f} started since)"
     )
+
+
+def _shard_name(metrics: ServerMetrics) -> str:
+    """The shard's name from ``handoff_shard_info{shard}``."""
+    return next(iter(metrics.latest_by_label("handoff_shard_info", "shard")), "?")
 
 
 def _verdict(result: SimResult) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import TextIO
 
@@ -36,6 +37,8 @@ class SimResult:
     stuck_handlers: int = 0  # handlers that hung until the run was over
     stuck_engine: str | None = None
     coordinator_crashes: tuple[CoordinatorCrash, ...] = ()
+    # Against a sharded coordinator: handoffs started per shard, in ordinal order.
+    handoffs_by_shard: tuple[tuple[str, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -52,18 +55,46 @@ async def simulate(
     """Run ``config`` against the server behind ``client``, drawing progress on ``progress_to``.
 
     ``crasher`` crashes and restarts the coordinator, when the config's
-    faults ask for coordinator crashes (it must be given then).
+    faults ask for coordinator crashes (it must be given then). A sharded
+    coordinator gets each engine connected to every shard; the frontend's
+    calls go where ``client`` routes them.
     Raises ConnectionError when the engines cannot subscribe to the server.
     """
     if config.faults.coordinator_crashes and crasher is None:
         raise ValueError(
             "coordinator crashes need the coordinator's process (handoff demo runs it)"
         )
-    loop = asyncio.get_running_loop()
     rng = random.Random(config.seed)
     book = RequestBook()
     notices = Notices()
-    cluster = Cluster(client, config, book, notices.notify, rng)
+    shard_map = await client.shard_map()
+    sharded = len(shard_map.shards) > 1
+    shards = [client.for_shard(name) for name in shard_map.names] if sharded else [client]
+    try:
+        result = await _simulate(client, shards, config, progress_to, crasher, rng, book, notices)
+    finally:
+        if sharded:
+            for shard in shards:
+                await shard.close()
+    if not sharded:
+        return result
+    # The shard that answered each start (the client remembers it).
+    owners = Counter(client.owner_of(journey.handoff_id) for journey in result.journeys)
+    return replace(result, handoffs_by_shard=tuple((n, owners[n]) for n in shard_map.names))
+
+
+async def _simulate(
+    client: HandoffClient,
+    shards: list[HandoffClient],
+    config: SimConfig,
+    progress_to: TextIO | None,
+    crasher: CoordinatorCrasher | None,
+    rng: random.Random,
+    book: RequestBook,
+    notices: Notices,
+) -> SimResult:
+    loop = asyncio.get_running_loop()
+    cluster = Cluster(shards, config, book, notices.notify, rng)
     frontend = Frontend(client, cluster, book, notices, config, rng)
     progress = None
     if progress_to is not None:
