@@ -30,7 +30,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from handoff_client.client import HandoffClient
-from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.sim import options
 from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
 from handoff_client.sim.faults import CoordinatorCrash
@@ -57,14 +56,6 @@ SERVER_SETTINGS = Settings(
     cleanup_redelivery_s=0.25,
     drain_grace_s=2.0,
 )
-
-# The frontend's calls ride through a coordinator restart (a second or two):
-# the SDK's default, 5 attempts, gives up within about a second (measured:
-# GetHandoff then fails UNAVAILABLE), so attempts are many and each call's
-# deadline bounds them (StartHandoff: each attempt's). The channel retries
-# its connection quickly too: gRPC's default waits 1 s, then 1.6 s, ...
-RIDE_THROUGH = RetryPolicy(max_attempts=100, backoff=Backoff(initial_s=0.05, max_s=0.5))
-RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
 
 SHARD_PREFIX = "handoff"  # shard names handoff-0 ..., whatever this machine's hostname
 MAX_SHARDS = 8
@@ -175,9 +166,8 @@ async def _demo(config: SimConfig, shards: int = 1) -> bool:
             # address (the first shard) stays up, as a Service would.
             victim = 1 % shards
             crasher = Crasher(running[victim], f"{SHARD_PREFIX}-{victim}" if shards > 1 else "")
-            async with HandoffClient(
-                running[0].address, retry=RIDE_THROUGH, channel_options=RECONNECT
-            ) as client:
+            # The SDK's default retries ride through the coordinator's restart.
+            async with HandoffClient(running[0].address) as client:
                 result = await simulate(
                     client,
                     config,
