@@ -90,6 +90,10 @@ class Ledger:
             side = sides[role] = Side()
         return side
 
+    def knows(self, handoff_id: str) -> bool:
+        """An action for ``handoff_id`` came here (and was not evicted since)."""
+        return handoff_id in self._by_handoff
+
     def holding(self) -> Iterator[tuple[str, Role, Side]]:
         """Every side the engine may still hold something for."""
         for handoff_id, sides in list(self._by_handoff.items()):
