@@ -593,8 +593,9 @@ class EngineSidecar:
                 if side is None:
                     continue  # another shard may still expect it held
             else:
-                side = part.ledger.side(handoff_id, role)
-                if not side.holds or side.activated:
+                # Found, never made: a side another shard claimed meanwhile is not this one's.
+                side = part.ledger.find(handoff_id, role)
+                if side is None or not side.holds or side.activated:
                     continue
             side.closed = True  # a later acquiring action is answered from the tombstone
             cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
