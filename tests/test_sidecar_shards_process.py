@@ -24,6 +24,7 @@ from handoff_client import (
     Completion,
     EngineSidecar,
     EngineType,
+    Handoff,
     HandoffClient,
     Phase,
     Role,
@@ -110,8 +111,12 @@ class Fleet:
 
 
 @contextlib.asynccontextmanager
-async def three(tmp: Path) -> AsyncIterator[tuple[list[Shard], Fleet]]:
+async def three(
+    tmp: Path, delivery_timeout_s: float = Shard.delivery_timeout_s
+) -> AsyncIterator[tuple[list[Shard], Fleet]]:
     async with deployment(tmp) as shards:
+        for shard in shards:
+            shard.delivery_timeout_s = delivery_timeout_s
         await restart(shards, count=3)
         async with HandoffClient(
             f"127.0.0.1:{shards[0].port}",
@@ -120,6 +125,13 @@ async def three(tmp: Path) -> AsyncIterator[tuple[list[Shard], Fleet]]:
             channel_options=FAST_RECONNECT,
         ) as client:
             yield shards, Fleet(client)
+
+
+async def ended(client: HandoffClient, handoff_id: str) -> Handoff:
+    """The handoff once its shard says it is over: polled, a client has nothing to await."""
+    while (handoff := await client.get_handoff(handoff_id)).phase is not Phase.COMPLETE:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    return handoff
 
 
 def clean(sidecar: EngineSidecar) -> None:
@@ -168,6 +180,43 @@ async def test_one_shard_killed_stops_only_its_handoffs_which_recover_from_its_j
             for sidecar in (p, d):
                 clean(sidecar)
         fleet.no_leaks(ids + fresh)
+
+
+@pytest.mark.timeout(300)
+async def test_a_shard_that_stays_down_expires_only_its_own_links_lease(tmp_path: Path) -> None:
+    """Delivery timeout 3 s (the lease is 2 s): handoff-1 killed and left down. Each
+    sidecar's handoff-1 link frees that shard's held sides, and only those; the
+    other links flow on. Back on its journal, handoff-1 hears what was freed
+    and ends those handoffs CANCELED at once."""
+    rng = random.Random(43)
+    async with three(tmp_path, delivery_timeout_s=3.0) as (shards, fleet):
+        async with fleet.sidecars() as (p, d), asyncio.timeout(TIMEOUT_S):
+            await p.wait_subscribed()
+            await d.wait_subscribed()
+            fleet.decode.stall.add(Role.DESTINATION)
+            ids = new_ids(45, rng)
+            await fleet.start(ids)
+            await fleet.held(ids)
+            on_killed = [h for h in ids if place(h, NAMES) == "handoff-1"]
+            elsewhere = [h for h in ids if h not in on_killed]
+
+            shards[1].kill()
+            await until(lambda: p.stats.lease_expiries == d.stats.lease_expiries == 1)
+            await until(lambda: p.stats.freed_on_lease == d.stats.freed_on_lease == len(on_killed))
+            freed = {h for h, _ in fleet.prefill.freed_at} | {h for h, _ in fleet.decode.freed_at}
+            assert freed == set(on_killed)
+            await fleet.reserved(elsewhere)
+            await fleet.succeeded(elsewhere)
+            assert p.stats.lease_expiries == d.stats.lease_expiries == 1  # the others' never
+
+            shards[1].start(3)
+            await shards[1].serving()
+            for h in on_killed:
+                assert (await ended(fleet.client, h)).completion is Completion.CANCELED, h
+            for sidecar in (p, d):
+                assert sidecar.stats.reports_rejected == 0
+                assert sidecar.stats.handler_errors == 0
+        fleet.no_leaks(elsewhere)
 
 
 @pytest.mark.timeout(300)
