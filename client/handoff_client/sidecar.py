@@ -370,7 +370,7 @@ class EngineSidecar:
         self._ended = asyncio.Event()  # stopped on its own (fenced)
         self._fenced_by: OlderIncarnationError | None = None
         self._received = self._handled = self._cache_hits = self._ignored = 0
-        self._handler_errors = self._rejected = 0
+        self._handler_errors = self._rejected = self._unreached = 0
         self._closed_hits = self._freed = self._unknown = self._unimplemented = 0
 
     @property
@@ -397,7 +397,7 @@ class EngineSidecar:
             answered_from_cache=self._cache_hits,
             ignored_while_running=self._ignored,
             handler_errors=self._handler_errors,
-            reconnects=sum(link.reconnects for link in links),
+            reconnects=self._unreached + sum(link.reconnects for link in links),
             report_retries=sum(outbox.retries for outbox in outboxes),
             reports_rejected=self._rejected,
             answered_closed=self._closed_hits,
@@ -501,31 +501,38 @@ class EngineSidecar:
 
     async def _run(self) -> None:
         try:
-            held = await self._engine_holds()
+            # Which shard each held side belongs to is unknown: every shard is
+            # asked, and a side is freed only once none of them expects it held.
+            self._unattributed = {side: set() for side in await self._engine_holds()}
             if self._given is not None:
                 self._open("", self._given)
-                self._ledger_holds(next(iter(self._shards.values())), held)
                 await self._ended.wait()
                 return
             client = self._client
             assert client is not None
-            shard_map = await client.shard_map()
-            self._follow(client, shard_map)
-            if len(shard_map.shards) == 1:
-                self._ledger_holds(next(iter(self._shards.values())), held)
-            else:
-                # Which shard each belongs to is unknown: every shard is asked,
-                # and a side is freed only once none of them expects it held.
-                self._unattributed = {side: set() for side in held}
+            # No link before a coordinator has answered: a link to the client's
+            # own address, standing in for an unknown map, would duplicate the
+            # link to whichever shard that address reaches.
+            shard_map = await self._learn(client)
             while True:
+                self._follow(client, shard_map)
                 await asyncio.sleep(FOLLOW_S)
-                self._follow(client, await client.shard_map())
+                shard_map = await client.shard_map()
         finally:
             parts = [*self._shards.values(), *self._retired]
             links = [part.task for part in parts if part.task is not None]
             for task in links:
                 task.cancel()
             await asyncio.gather(*links, return_exceptions=True)
+
+    async def _learn(self, client: HandoffClient) -> ShardMap:
+        """The shard map, asked for with the reconnect backoff until a coordinator answers."""
+        failures = 0
+        while (shard_map := await client.learn_shard_map()) is None:
+            failures += 1
+            self._unreached += 1
+            await asyncio.sleep(self._backoff.delay_s(failures, self.rng))
+        return shard_map
 
     async def _engine_holds(self) -> list[HeldSide]:
         held_handoffs = getattr(self._engine, "held_handoffs", None)
@@ -534,11 +541,6 @@ class EngineSidecar:
         # Restarted beside an engine that survived: what it holds is
         # reconciled (and leased) like what this sidecar acquired itself.
         return [(handoff_id, role) for handoff_id, role in await held_handoffs()]
-
-    @staticmethod
-    def _ledger_holds(part: _Shard, held: list[HeldSide]) -> None:
-        for handoff_id, role in held:
-            part.ledger.side(handoff_id, role).acquired = True
 
     def _open(self, name: str, transport: SidecarTransport) -> None:
         part = _Shard(self, name, transport, self._backoff)
