@@ -192,7 +192,9 @@ class Engine(SourceEngine, DestinationEngine, Protocol):
     Optional: ``async def held_handoffs(self) -> Iterable[tuple[str, Role]]``,
     the handoff sides the engine holds now. The sidecar calls it once, at its
     start, so that a sidecar restarted beside an engine that survived it (same
-    incarnation) reconciles and leases those sides too.
+    incarnation) reconciles and leases those sides too. Against a sharded
+    coordinator each side is reconciled with every shard, and freed only
+    once none of them expects it held.
     """
 
     async def start_transfer(self, action: Action, facts: Facts) -> Outcome:
