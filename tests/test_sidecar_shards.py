@@ -84,3 +84,47 @@ async def test_a_sidecar_started_before_the_shards_links_each_once_they_answer(
                 assert sidecar.stats.reports_rejected == 0
                 assert sidecar.stats.session_conflicts == 0
                 assert sidecar.stats.reconciles >= len(NAMES)  # one per link at least
+
+
+async def test_links_follow_shards_added_to_and_removed_from_the_map(
+    start_lean_server: StartServer, tmp_path: Path, kind: TransportKind
+) -> None:
+    """Two shards, then three (a link to the new one), then two again (the third's
+    link closed: the engine holds nothing it owns)."""
+    ports = [free_port() for _ in NAMES]
+    shard_map = tmp_path / "shards.json"
+    shard_map.write_text(
+        json.dumps({n: f"127.0.0.1:{p}" for n, p in zip(NAMES, ports, strict=True)})
+    )
+
+    async def deploy(count: int) -> list[Server]:
+        return [
+            await start_lean_server(
+                port=ports[ordinal],
+                shard_count=count,
+                shard_ordinal=ordinal,
+                shard_map=str(shard_map),
+                shard_name_prefix="handoff",
+            )
+            for ordinal in range(count)
+        ]
+
+    servers = await deploy(2)
+    async with (
+        HandoffClient(
+            f"127.0.0.1:{ports[0]}", channel_options=FAST_RECONNECT, shard_refresh_s=0.2
+        ) as client,
+        EngineSidecar(
+            client, SOURCE, ScriptedEngine(), reconnect_backoff=QUICK, transport=kind
+        ) as sidecar,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        await sidecar.wait_subscribed()
+        assert sidecar.shards == NAMES[:2]
+        for count in (3, 2):
+            for server in servers:
+                await server.stop()
+            servers = await deploy(count)
+            await until(lambda: sidecar.shards == NAMES[:count])  # noqa: B023 - awaited here
+            await sidecar.wait_subscribed()
+        assert sidecar.stats.reports_rejected == 0
