@@ -34,7 +34,7 @@ from handoff_server.conformance import Vector
 from handoff_server.metrics import Metrics
 from handoff_server.shards import ShardIdentity, Shards, ShardSettingsError
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
-from tests.grpc_support import DESTINATION, SOURCE, StreamRecorder
+from tests.grpc_support import DESTINATION, SOURCE, ConnectEngine, StreamRecorder
 from tests.support import LOST_VECTORS, VECTORS, all_vectors
 from tests.test_conformance_grpc import CONCURRENCY, run_vector
 
@@ -447,16 +447,26 @@ async def test_one_shard_costs_no_extra_call_per_handoff(lean_server: Server) ->
 
 
 @pytest.mark.parametrize("vectors_file", [VECTORS, LOST_VECTORS], ids=["vectors", "lost"])
+@pytest.mark.parametrize("transport", ["unary", "connect"])
 async def test_all_vectors_pass_through_three_shards(
-    shards: list[Server], vectors_file: Path
+    shards: list[Server], vectors_file: Path, transport: str
 ) -> None:
-    """Each vector on unary calls at the shard that owns its id; engines stream from all."""
+    """Each vector at the shard that owns its id; each engine holds a stream to every
+    shard, as a sidecar does. Unary: facts and outcomes on unary calls to the owner,
+    actions on StreamActions. Connect: one packed Connect stream per engine and
+    shard, the reports about a handoff on its owner's stream."""
     vectors = all_vectors(vectors_file)
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{s.port}") for s in shards]
     stubs = [pb_grpc.HandoffCoordinatorStub(c) for c in channels]
-    sources = [StreamRecorder(stub, SOURCE) for stub in stubs]
-    destinations = [StreamRecorder(stub, DESTINATION) for stub in stubs]
-    for engine in sources + destinations:
+    sources: list[StreamRecorder] | list[ConnectEngine]
+    destinations: list[StreamRecorder] | list[ConnectEngine]
+    if transport == "unary":
+        sources = [StreamRecorder(stub, SOURCE) for stub in stubs]
+        destinations = [StreamRecorder(stub, DESTINATION) for stub in stubs]
+    else:
+        sources = [ConnectEngine(stub, SOURCE, batch=True) for stub in stubs]
+        destinations = [ConnectEngine(stub, DESTINATION, batch=True) for stub in stubs]
+    for engine in [*sources, *destinations]:
         await engine.subscribed()
     limit = asyncio.Semaphore(CONCURRENCY)
 
@@ -469,7 +479,7 @@ async def test_all_vectors_pass_through_three_shards(
         async with asyncio.timeout(240):
             results = await asyncio.gather(*(one(v) for v in vectors))
     finally:
-        for engine in sources + destinations:
+        for engine in [*sources, *destinations]:
             await engine.close()
         for channel in channels:
             await channel.close(None)

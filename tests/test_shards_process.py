@@ -44,6 +44,9 @@ RETRY = RetryPolicy(max_attempts=60, backoff=Backoff(initial_s=0.05, max_s=0.5))
 class Shard:
     """One `handoff serve` process for shard ``ordinal``: its ports and state dir are its own."""
 
+    # No engine subscribes in these tests: they must not be declared lost.
+    delivery_timeout_s = 600.0
+
     def __init__(self, tmp: Path, ordinal: int, shard_map: Path) -> None:
         self.ordinal = ordinal
         self.port, self.metrics_port = free_port(), free_port()
@@ -62,8 +65,7 @@ class Shard:
                 *("--shard-count", str(count), "--shard-ordinal", str(self.ordinal)),
                 *("--shard-name-prefix", "handoff"),  # not this machine's hostname
                 *("--placing-shards", str(placing)),
-                # No engine subscribes here: they must not be declared lost.
-                *("--delivery-timeout-s", "600"),
+                *("--delivery-timeout-s", str(self.delivery_timeout_s)),
             ],
             cwd=ROOT,
             stdout=self.log.open("ab"),

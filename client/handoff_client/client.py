@@ -183,6 +183,12 @@ class HandoffClient:
         """The coordinator's shards, in ordinal order (learned now if not yet known)."""
         return await self._router.shard_map()
 
+    async def learn_shard_map(self) -> ShardMap | None:
+        """Ask for the map now, unless a coordinator answered it already (or it was
+        given): None while none answers (:meth:`shard_map` then stands in one shard
+        at this client's address)."""
+        return await self._router.learn()
+
     def owner_of(self, handoff_id: str) -> str:
         """The shard this client would send ``handoff_id``'s calls to (after ``shard_map()``).
 

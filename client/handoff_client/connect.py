@@ -53,6 +53,7 @@ from handoff_client.errors import (
 )
 from handoff_client.liveness import Liveness
 from handoff_client.model import Action, Fact, Outcome, Reconciled
+from handoff_client.onshard import OnShard
 
 # Actions read ahead of the sidecar. Past this the reader stops and leaves the
 # rest to gRPC flow control and the server's queue, as StreamActions does.
@@ -66,12 +67,14 @@ MAX_REPORTS_PER_MESSAGE = 32
 class ConnectTransport:
     """Actions and reports of one engine on one Connect stream at a time.
 
-    One transport per :class:`~handoff_client.sidecar.EngineSidecar`; it uses
-    ``client``'s channel, credentials and ``timeout_s``.
+    One transport per :class:`~handoff_client.sidecar.EngineSidecar` link; it
+    uses ``client``'s channel, credentials and ``timeout_s``. Given ``shard``,
+    it talks to that shard of a routing client alone, at the shard's address
+    as the client's map has it at each subscription.
     """
 
-    def __init__(self, client: HandoffClient) -> None:
-        self._client = client
+    def __init__(self, client: HandoffClient, shard: str | None = None) -> None:
+        self._shard = OnShard(client, shard)
         self.liveness = Liveness()
         self._live: _Stream | None = None  # the stream reports go out on
         self._changed = asyncio.Condition()  # notified when a stream goes live
@@ -104,7 +107,8 @@ class ConnectTransport:
         held: list[Side],
         freed: list[Side],
     ) -> Reconciled:
-        return await self._client.reconcile(
+        client = await self._shard.client()
+        return await client.reconcile(
             engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
         )
 
@@ -129,11 +133,12 @@ class ConnectTransport:
     async def _subscribe(
         self, hello: pb.ConnectHello, on_subscribed: Callable[[], None]
     ) -> AsyncGenerator[Action, None]:
-        stream = _Stream(self._client, hello, self.liveness)
+        stream = _Stream(await self._shard.client(), hello, self.liveness)
         try:
             try:
                 headers = await stream.call.initial_metadata()
             except grpc.aio.AioRpcError as error:
+                self._shard.unreachable()
                 raise error_for(error) from error
             stream.start_reading()
             # A call refused before the server took it (no server, a bad
@@ -152,6 +157,7 @@ class ConnectTransport:
                     yield action
                 if stream.ended:
                     if stream.failure is not None:
+                        self._shard.unreachable()
                         raise stream.failure
                     return  # ended by the server: replaced, or shutting down
                 stream.arrived.clear()
@@ -167,7 +173,7 @@ class ConnectTransport:
         return self._live is not None and not self._live.ended
 
     async def _report(self, request: pb.ConnectReport) -> None:
-        timeout_s = self._client.timeout_s
+        timeout_s = self._shard.timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 async with self._changed:

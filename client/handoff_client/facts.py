@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from handoff_client.model import (
     Canceled,
     DestinationReserved,
@@ -11,8 +13,10 @@ from handoff_client.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_client.outbox import Outbox
-from handoff_client.transport import SidecarTransport
+
+# Queues a report behind the handoff's earlier ones, on the link of the shard
+# that owns it; the awaitable ends when it lands.
+Send = Callable[[str, Fact], Awaitable[None]]
 
 
 class Facts:
@@ -25,9 +29,8 @@ class Facts:
     A final rejection raises a :class:`~handoff_client.errors.HandoffRpcError`.
     """
 
-    def __init__(self, outbox: Outbox, transport: SidecarTransport) -> None:
-        self._outbox = outbox
-        self._transport = transport
+    def __init__(self, send: Send) -> None:
+        self._send = send
 
     async def source_held(self, handoff_id: str, timing: TransferTiming) -> None:
         await self._report(handoff_id, SourceHeld(timing))
@@ -45,4 +48,4 @@ class Facts:
         await self._report(handoff_id, Canceled(reason))
 
     async def _report(self, handoff_id: str, fact: Fact) -> None:
-        await self._outbox.send(handoff_id, lambda: self._transport.report_fact(handoff_id, fact))
+        await self._send(handoff_id, fact)

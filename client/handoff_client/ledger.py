@@ -90,6 +90,15 @@ class Ledger:
             side = sides[role] = Side()
         return side
 
+    def find(self, handoff_id: str, role: Role) -> Side | None:
+        """The side if an action for it came here; unlike :meth:`side`, makes none."""
+        sides = self._by_handoff.get(handoff_id)
+        return None if sides is None else sides.get(role)
+
+    def knows(self, handoff_id: str) -> bool:
+        """An action for ``handoff_id`` came here (and was not evicted since)."""
+        return handoff_id in self._by_handoff
+
     def holding(self) -> Iterator[tuple[str, Role, Side]]:
         """Every side the engine may still hold something for."""
         for handoff_id, sides in list(self._by_handoff.items()):

@@ -4,8 +4,10 @@ The link owns what is per coordinator: the subscription loop (resubscribe
 with jittered backoff whenever the stream drops), the last sign of life, the
 lease, the reconcile after every confirmed subscription, and the sides the
 sidecar freed on its own since. What the engine holds is the sidecar's (its
-ledger); the link reaches it through :class:`Holder`. One sidecar owns one
-link today; with a sharded coordinator it will own one per shard.
+ledger); the link reaches it through :class:`Holder`. A sidecar owns one
+link per coordinator shard (one, for a coordinator that is not sharded),
+each with its own transport, lease and reconcile: a shard that is down
+expires only its own link's lease.
 
 **Lease.** The coordinator declares an engine lost once it has had no live
 stream for its delivery timeout, and then frees the other side of each of
@@ -68,6 +70,10 @@ class Holder(Protocol):
     async def reclaim(self, sides: Iterable[Side], why: str) -> list[Side]:
         """Close these sides (tombstones) and free each one still held through the
         engine's cancel handler (attempt 0, not reported); the ones it freed."""
+        ...
+
+    def kept(self, sides: Iterable[Side]) -> None:
+        """The coordinator expects the engine to go on holding these sides."""
         ...
 
     async def fenced(self, error: OlderIncarnationError) -> None:
@@ -230,6 +236,8 @@ class CoordinatorLink:
                 answer.lost_applied,
                 extra=self._extra,
             )
+        ending = {(release.handoff_id, release.role) for release in answer.releases}
+        self._holder.kept(side for side in held if side not in ending)
         await asyncio.gather(*(self._reclaim_release(release) for release in answer.releases))
 
     async def _reclaim_release(self, release: Release) -> None:

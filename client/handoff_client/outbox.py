@@ -36,6 +36,11 @@ class Outbox:
         self._closed = False
         self.retries = 0  # transient failures retried, for stats
 
+    @property
+    def pending(self) -> int:
+        """Handoffs with reports not landed yet."""
+        return len(self._queues)
+
     def send(self, handoff_id: str, report: Report) -> asyncio.Future[None]:
         """Queue ``report`` behind the handoff's earlier ones; the future ends when it lands.
 

@@ -51,6 +51,9 @@ class Router:
         self._fetch = fetch
         self._explicit = explicit is not None
         self._map = explicit
+        # A coordinator answered (or the map was given): not the stand-in of
+        # one shard at the client's own address while none could be reached.
+        self.learned = explicit is not None
         self._refresh_s = refresh_s
         self._due = 0.0  # loop time of the next refresh
         self._last = -MIN_REFRESH_S
@@ -81,6 +84,15 @@ class Router:
             await asyncio.shield(self._fetching)
         return self.known
 
+    async def learn(self) -> ShardMap | None:
+        """Ask for the map now unless a coordinator answered it already (or it was
+        given): the map then, None while none answers."""
+        if not self.learned:
+            if self._fetching is None:
+                self._fetching = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._fetching)
+        return self._map if self.learned else None
+
     def stale(self) -> None:
         """Refresh before the next routed call (rate-limited): a shard may have moved."""
         self._due = min(self._due, self._last + MIN_REFRESH_S)
@@ -90,9 +102,11 @@ class Router:
         try:
             learned = await self._fetch()
             self._due = now + self._refresh_s
+            self.learned = True
         except UnimplementedError:
             learned = ShardMap.of([(self._target, self._target)])  # an older, unsharded server
             self._due = now + self._refresh_s
+            self.learned = True
         except HandoffRpcError:
             # Unreachable (or refused) for now: keep what we knew; with nothing
             # known, this client's own address is the one place to try.

@@ -30,6 +30,10 @@ says what each handler must do. The sidecar
   engine holds after every subscription (:mod:`handoff_client.link`): a side
   the coordinator no longer expects it to hold, or that it would free before
   hearing from it again, is freed through the engine's cancel handler;
+- given a routing client of a sharded coordinator, holds one link per shard
+  (stream, reconcile, lease), follows the shard map as it changes, and keeps
+  each handoff's state under the shard whose stream its actions came on,
+  where its outcomes and facts are reported (see :class:`EngineSidecar`);
 - stops for good, after freeing everything the engine holds, when the server
   says a newer incarnation of the engine has subscribed
   (:class:`~handoff_client.errors.OlderIncarnationError`, raised by
@@ -58,6 +62,7 @@ from typing import Protocol, Self
 from handoff_client import tracing
 from handoff_client.cache import OutcomeCache
 from handoff_client.client import HandoffClient
+from handoff_client.client import Side as HeldSide
 from handoff_client.errors import (
     HandoffRpcError,
     NotFoundError,
@@ -73,12 +78,14 @@ from handoff_client.model import (
     Action,
     ActionKind,
     Completion,
+    Fact,
     Outcome,
     OutcomeKind,
     Role,
     outcome_allowed,
 )
 from handoff_client.outbox import Outbox
+from handoff_client.placement import ShardMap
 from handoff_client.retry import Backoff
 from handoff_client.transport import SidecarTransport, TransportKind, make_transport
 
@@ -89,6 +96,10 @@ MAX_REASON = 1024  # bytes: the server takes at most 1 KiB of reason
 # the server accepts FAILED for any acquiring action (in cleanup it changes
 # nothing), and the engine takes nothing.
 CLOSED_REASON = "{engine}: {kind} for a handoff this engine already canceled or released"
+# How often the sidecar looks at its client's shard map. Looking is free: the
+# client fetches the map only when its refresh is due, or soon after a shard
+# did not answer.
+FOLLOW_S = 1.0
 
 
 def new_incarnation() -> str:
@@ -181,7 +192,9 @@ class Engine(SourceEngine, DestinationEngine, Protocol):
     Optional: ``async def held_handoffs(self) -> Iterable[tuple[str, Role]]``,
     the handoff sides the engine holds now. The sidecar calls it once, at its
     start, so that a sidecar restarted beside an engine that survived it (same
-    incarnation) reconciles and leases those sides too.
+    incarnation) reconciles and leases those sides too. Against a sharded
+    coordinator each side is reconciled with every shard, and freed only
+    once none of them expects it held.
     """
 
     async def start_transfer(self, action: Action, facts: Facts) -> Outcome:
@@ -233,15 +246,66 @@ class SidecarStats:
     freed_unreported: int = 0  # sides freed on its own that no reconcile has told a coordinator
 
 
+class _Shard:
+    """One coordinator shard as the sidecar sees it: its link, and the state of the
+    handoffs it owns (tombstones, outcomes, the order of their reports).
+
+    It is the link's :class:`~handoff_client.link.Holder`: what the link
+    reconciles, leases and reclaims is this shard's part of the engine.
+    """
+
+    def __init__(
+        self, sidecar: EngineSidecar, name: str, transport: SidecarTransport, backoff: Backoff
+    ) -> None:
+        self.name = name
+        self.transport = transport
+        self.ledger = Ledger(sidecar.cache_size)
+        self.cache = OutcomeCache(sidecar.cache_size)
+        self.outbox = Outbox(backoff, sidecar.rng)
+        self.link = CoordinatorLink(
+            transport,
+            self,
+            engine_id=sidecar.engine_id,
+            incarnation=sidecar.incarnation,
+            session_id=sidecar.session_id,
+            backoff=backoff,
+            rng=sidecar.rng,
+        )
+        self.task: asyncio.Task[None] | None = None
+        self._sidecar = sidecar
+
+    def held(self) -> list[HeldSide]:
+        return self._sidecar._held(self)
+
+    async def reclaim(self, sides: Iterable[HeldSide], why: str) -> list[HeldSide]:
+        return await self._sidecar._reclaim(self, sides, why)
+
+    def kept(self, sides: Iterable[HeldSide]) -> None:
+        self._sidecar._kept(self, sides)
+
+    async def fenced(self, error: OlderIncarnationError) -> None:
+        await self._sidecar._fenced(error)
+
+
 class EngineSidecar:
     """Connects one engine to the coordinator; use it with ``async with``, or :meth:`run`.
 
     ``connection`` is a :class:`~handoff_client.client.HandoffClient` or any
     :class:`~handoff_client.transport.SidecarTransport`. Given a client, the
     sidecar talks over one Connect stream (``transport="connect"``, the
-    default) or over StreamActions plus unary reports (``transport="unary"``).
+    default) or over StreamActions plus unary reports (``transport="unary"``)
+    to each shard in the client's shard map: one link per shard (a single
+    coordinator, or one from before shards, is one link on the client's own
+    channel, as before shards). It follows the map: a new shard gets a link,
+    a shard back on a new address is reconnected there, a shard gone from the
+    map has its link closed once the engine holds nothing it owns. A shard
+    that is down stops only the handoffs it owns; its lease frees only them.
+    Given a transport, the sidecar has that one link.
+
     Handlers get :attr:`facts`; the engine can also use it outside any
-    handler, e.g. to report a decode that crashed.
+    handler, e.g. to report a decode that crashed. A fact goes to the shard
+    whose stream brought the handoff's actions, else to the client's
+    ``owner_of`` the handoff.
 
     ``incarnation`` names the engine's memory: leave it None when the sidecar
     lives and dies with its engine (one is made per sidecar, see
@@ -268,90 +332,109 @@ class EngineSidecar:
     ) -> None:
         if max_concurrency < 1 or cleanup_concurrency < 1:
             raise ValueError("max_concurrency and cleanup_concurrency must be >= 1")
+        if cache_size < 1:
+            raise ValueError("cache_size must be >= 1")
         self.engine_id = engine_id
         self.incarnation = incarnation or new_incarnation()
         self.session_id = secrets.token_hex(16)
+        self.cache_size = cache_size
+        self.rng = rng or random.Random()
         self._engine = engine
+        self._client: HandoffClient | None = None
+        self._given: SidecarTransport | None = None
         if isinstance(connection, HandoffClient):
-            self._transport = make_transport(connection, transport or "connect")
+            self._client = connection
+            self._kind: TransportKind = transport or "connect"
         elif transport is not None:
             raise ValueError("transport= chooses how to use a HandoffClient; a transport was given")
         else:
-            self._transport = connection
-        self._rng = rng or random.Random()
-        backoff = reconnect_backoff or Backoff()
+            self._given = connection
+        self._backoff = reconnect_backoff or Backoff()
         self._slots = asyncio.Semaphore(max_concurrency)
         self._cleanup_slots = asyncio.Semaphore(cleanup_concurrency)
-        self._cache = OutcomeCache(cache_size)
-        self._ledger = Ledger(cache_size)
-        self._outbox = Outbox(backoff, self._rng)
-        self.facts = Facts(self._outbox, self._transport)
+        self._shards: dict[str, _Shard] = {}  # by shard name ("" for a given transport)
+        self._opened = asyncio.Event()  # the first links exist
+        self._retired: list[_Shard] = []  # links closed with their shard: their counts
+        # Held sides from the engine's held_handoffs() that no shard has claimed
+        # yet, each with the shards that said they need not be held.
+        self._unattributed: dict[HeldSide, set[str]] = {}
+        self.facts = Facts(self._send_fact)
         self._stop_grace_s = stop_grace_s
         self._handlers: dict[ActionKind, Handler] = {}
         for kind, name in HANDLER_NAMES.items():
             handler = getattr(engine, name, None)
             if handler is not None:
                 self._handlers[kind] = handler
-        self._running: set[tuple[str, int]] = set()
+        self._running: set[tuple[str, str, int]] = set()  # (shard, handoff id, action id)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
-        self._link = CoordinatorLink(
-            self._transport,
-            self,
-            engine_id=engine_id,
-            incarnation=self.incarnation,
-            session_id=self.session_id,
-            backoff=backoff,
-            rng=self._rng,
-        )
+        self._ended = asyncio.Event()  # stopped on its own (fenced)
+        self._fenced_by: OlderIncarnationError | None = None
         self._received = self._handled = self._cache_hits = self._ignored = 0
-        self._handler_errors = self._rejected = 0
+        self._handler_errors = self._rejected = self._unreached = 0
         self._closed_hits = self._freed = self._unknown = self._unimplemented = 0
 
     @property
     def transport(self) -> SidecarTransport:
-        """How this sidecar talks to the coordinator."""
-        return self._transport
+        """How this sidecar talks to the coordinator (to its first shard, when sharded)."""
+        if self._given is not None:
+            return self._given
+        if not self._shards:
+            raise RuntimeError("the sidecar has not learned its shards yet")
+        return next(iter(self._shards.values())).transport
+
+    @property
+    def shards(self) -> tuple[str, ...]:
+        """The shards this sidecar has a link to now (empty before it learned them)."""
+        return tuple(self._shards)
 
     @property
     def stats(self) -> SidecarStats:
+        links = [part.link for part in [*self._shards.values(), *self._retired]]
+        outboxes = [part.outbox for part in [*self._shards.values(), *self._retired]]
         return SidecarStats(
             actions_received=self._received,
             handlers_run=self._handled,
             answered_from_cache=self._cache_hits,
             ignored_while_running=self._ignored,
             handler_errors=self._handler_errors,
-            reconnects=self._link.reconnects,
-            report_retries=self._outbox.retries,
+            reconnects=self._unreached + sum(link.reconnects for link in links),
+            report_retries=sum(outbox.retries for outbox in outboxes),
             reports_rejected=self._rejected,
             answered_closed=self._closed_hits,
             freed_on_complete=self._freed,
             unknown_actions=self._unknown,
             unimplemented=self._unimplemented,
-            session_conflicts=self._link.conflicts,
-            reconciles=self._link.reconciles,
-            orphans_reclaimed=self._link.orphans_reclaimed,
-            lease_expiries=self._link.lease_expiries,
-            freed_on_lease=self._link.freed_on_lease,
-            freed_unreported=self._link.freed_unreported,
+            session_conflicts=sum(link.conflicts for link in links),
+            reconciles=sum(link.reconciles for link in links),
+            orphans_reclaimed=sum(link.orphans_reclaimed for link in links),
+            lease_expiries=sum(link.lease_expiries for link in links),
+            freed_on_lease=sum(link.freed_on_lease for link in links),
+            freed_unreported=sum(link.freed_unreported for link in links),
         )
 
     async def wait_subscribed(self) -> None:
-        """Until the server confirms a subscription (at start, or after a reconnect).
+        """Until the server confirms a subscription on every shard's link (at start,
+        or after a reconnect).
 
         Raises :class:`~handoff_client.errors.OlderIncarnationError` if the
         sidecar was fenced instead.
         """
-        subscribed = asyncio.ensure_future(self._link.subscribed.wait())
-        ended = asyncio.ensure_future(self._link.ended.wait())
+        subscribed = asyncio.ensure_future(self._all_subscribed())
+        ended = asyncio.ensure_future(self._ended.wait())
         try:
             await asyncio.wait((subscribed, ended), return_when=asyncio.FIRST_COMPLETED)
         finally:
             subscribed.cancel()
             ended.cancel()
-        if not self._link.subscribed.is_set():
+        if not subscribed.done() or subscribed.cancelled():
             self._raise_if_fenced()
+
+    async def _all_subscribed(self) -> None:
+        await self._opened.wait()
+        while pending := [p for p in self._shards.values() if not p.link.subscribed.is_set()]:
+            await pending[0].link.subscribed.wait()
 
     async def wait(self) -> None:
         """Until the sidecar stops on its own, which it only does when fenced.
@@ -360,7 +443,7 @@ class EngineSidecar:
         newer incarnation of the engine has subscribed and everything this
         sidecar's engine held was freed through its cancel handlers.
         """
-        await self._link.ended.wait()
+        await self._ended.wait()
         self._raise_if_fenced()
 
     async def run(self) -> None:
@@ -369,8 +452,8 @@ class EngineSidecar:
             await self.wait()
 
     def _raise_if_fenced(self) -> None:
-        if self._link.fenced is not None:
-            raise self._link.fenced
+        if self._fenced_by is not None:
+            raise self._fenced_by
 
     async def __aenter__(self) -> Self:
         self.start()
@@ -407,7 +490,8 @@ class EngineSidecar:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._outbox.close(max(deadline - loop.time(), 0.0))
+        outboxes = [part.outbox for part in self._shards.values()]
+        await asyncio.gather(*(o.close(max(deadline - loop.time(), 0.0)) for o in outboxes))
         # Unsubscribe last: on Connect the stream also carries the reports
         # the grace lets land.
         if self._reader is not None:
@@ -415,38 +499,145 @@ class EngineSidecar:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
 
-    # --- the stream ------------------------------------------------------------
+    # --- the streams: one link per shard -------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            # Which shard each held side belongs to is unknown: every shard is
+            # asked, and a side is freed only once none of them expects it held.
+            self._unattributed = {side: set() for side in await self._engine_holds()}
+            if self._given is not None:
+                self._open("", self._given)
+                await self._ended.wait()
+                return
+            client = self._client
+            assert client is not None
+            # No link before a coordinator has answered: a link to the client's
+            # own address, standing in for an unknown map, would duplicate the
+            # link to whichever shard that address reaches.
+            shard_map = await self._learn(client)
+            while True:
+                self._follow(client, shard_map)
+                await asyncio.sleep(FOLLOW_S)
+                shard_map = await client.shard_map()
+        finally:
+            parts = [*self._shards.values(), *self._retired]
+            links = [part.task for part in parts if part.task is not None]
+            for task in links:
+                task.cancel()
+            await asyncio.gather(*links, return_exceptions=True)
+
+    async def _learn(self, client: HandoffClient) -> ShardMap:
+        """The shard map, asked for with the reconnect backoff until a coordinator answers."""
+        failures = 0
+        while (shard_map := await client.learn_shard_map()) is None:
+            failures += 1
+            self._unreached += 1
+            await asyncio.sleep(self._backoff.delay_s(failures, self.rng))
+        return shard_map
+
+    async def _engine_holds(self) -> list[HeldSide]:
         held_handoffs = getattr(self._engine, "held_handoffs", None)
-        if held_handoffs is not None:
-            # Restarted beside an engine that survived: what it holds is
-            # reconciled (and leased) like what this sidecar acquired itself.
-            for handoff_id, role in await held_handoffs():
-                self._ledger.side(handoff_id, role).acquired = True
-        await self._link.run(self._dispatch)
+        if held_handoffs is None:
+            return []
+        # Restarted beside an engine that survived: what it holds is
+        # reconciled (and leased) like what this sidecar acquired itself.
+        return [(handoff_id, role) for handoff_id, role in await held_handoffs()]
 
-    def held(self) -> list[tuple[str, Role]]:
-        """What the lease and reconcile cover: held sides, but no activated decode."""
-        return [(h, role) for h, role, side in self._ledger.holding() if not side.activated]
+    def _open(self, name: str, transport: SidecarTransport) -> None:
+        part = _Shard(self, name, transport, self._backoff)
+        self._shards[name] = part
+        part.task = asyncio.create_task(
+            part.link.run(lambda action: self._dispatch(part, action)),
+            name=f"sidecar-{self.engine_id}-{name or 'coordinator'}",
+        )
+        self._opened.set()
 
-    async def reclaim(self, sides: Iterable[tuple[str, Role]], why: str) -> list[tuple[str, Role]]:
+    def _follow(self, client: HandoffClient, shard_map: ShardMap) -> None:
+        """Open a link to each new shard; close the link of a shard gone from the
+        map once the engine holds nothing that shard owns. A shard's new address
+        needs nothing here: its link dials the map's address at each subscription."""
+        for name in shard_map.names:
+            if name not in self._shards:
+                if self._shards:
+                    log.info("shard %s joined: opening a link to it", name, extra=self._extra)
+                self._open(name, make_transport(client, self._kind, name))
+        for name, part in list(self._shards.items()):
+            if name in shard_map.names or self._busy(part):
+                continue
+            log.info("shard %s left the map: closing its link", name, extra=self._extra)
+            del self._shards[name]
+            self._retired.append(part)
+            if part.task is not None:
+                part.task.cancel()
+
+    def _busy(self, part: _Shard) -> bool:
+        """Whether the engine may hold anything, or owes any report, for ``part``'s handoffs."""
+        return (
+            any(True for _ in part.ledger.holding())
+            or any(key[0] == part.name for key in self._running)
+            or part.outbox.pending > 0
+            or any(part.name not in said for said in self._unattributed.values())
+        )
+
+    # --- what each link reconciles, leases and reclaims ----------------------------
+
+    def _held(self, part: _Shard) -> list[HeldSide]:
+        """What ``part``'s lease and reconcile cover: its held sides, but no activated
+        decode, and every side no shard has claimed that it has not disowned."""
+        held = [(h, role) for h, role, side in part.ledger.holding() if not side.activated]
+        return held + [side for side, said in self._unattributed.items() if part.name not in said]
+
+    async def _reclaim(self, part: _Shard, sides: Iterable[HeldSide], why: str) -> list[HeldSide]:
         """Close ``sides`` and free those still held (not an activated decode) on its own."""
         owed = []
         for handoff_id, role in sides:
-            side = self._ledger.side(handoff_id, role)
-            if side.holds and not side.activated:
-                side.closed = True  # a later acquiring action is answered from the tombstone
-                cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
-                owed.append((handoff_id, role, self._free_when_idle(cause, role, side, why)))
+            if (handoff_id, role) in self._unattributed:
+                side = self._disowned(part, (handoff_id, role))
+                if side is None:
+                    continue  # another shard may still expect it held
+            else:
+                # Found, never made: a side another shard claimed meanwhile is not this one's.
+                side = part.ledger.find(handoff_id, role)
+                if side is None or not side.holds or side.activated:
+                    continue
+            side.closed = True  # a later acquiring action is answered from the tombstone
+            cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
+            owed.append((handoff_id, role, self._free_when_idle(cause, role, side, why)))
         await asyncio.gather(*(free for _, _, free in owed))
         return [(handoff_id, role) for handoff_id, role, _ in owed]
 
-    async def fenced(self, error: OlderIncarnationError) -> None:
-        await self._free_everything()
+    def _disowned(self, part: _Shard, held: HeldSide) -> Side | None:
+        """``part`` does not expect the unattributed side held: its tombstone, to free,
+        once no shard does; else None."""
+        said = self._unattributed[held]
+        said.add(part.name)
+        if not said.issuperset(self._shards):
+            return None
+        del self._unattributed[held]
+        side = part.ledger.side(*held)
+        side.acquired = True
+        return side
 
-    def _dispatch(self, action: Action) -> None:
-        """Take one delivered action. Never waits: the stream is always read."""
+    def _kept(self, part: _Shard, sides: Iterable[HeldSide]) -> None:
+        """``part`` expects these held: an unattributed one is its own from now on."""
+        for held in sides:
+            if self._unattributed.pop(held, None) is not None:
+                part.ledger.side(*held).acquired = True
+                log.info(
+                    "held %s side belongs to shard %s",
+                    held[1].name.lower(),
+                    part.name,
+                    extra=self._extra | {"handoff_id": held[0]},
+                )
+
+    async def _fenced(self, error: OlderIncarnationError) -> None:
+        await self._free_everything()
+        self._fenced_by = error
+        self._ended.set()
+
+    def _dispatch(self, part: _Shard, action: Action) -> None:
+        """Take one delivered action. Never waits: the streams are always read."""
         self._received += 1
         if self._stopping:
             return
@@ -459,28 +650,28 @@ class EngineSidecar:
             )
             return
         if kind is ActionKind.COMPLETE:
-            self._take_complete(action)
+            self._take_complete(part, action)
             return
-        key = (action.handoff_id, action.id)
-        cached = self._cache.get(*key)
+        cached = part.cache.get(action.handoff_id, action.id)
         if cached is not None:
             self._cache_hits += 1
-            self._spawn(self._await_report(action, self._send_outcome(action, cached)))
+            self._spawn(self._await_report(part, action, self._send_outcome(part, action, cached)))
             return
+        key = (part.name, action.handoff_id, action.id)
         if key in self._running:
             self._ignored += 1  # the running handler reports when it is done
             return
-        side = self._ledger.side(action.handoff_id, action.target)
+        side = part.ledger.side(action.handoff_id, action.target)
         if kind in ACQUIRING_KINDS:
             if side.closed:
-                self._answer_closed(action)
+                self._answer_closed(part, action)
                 return
             self._running.add(key)
-            self._spawn(self._acquire(action, side))
+            self._spawn(self._acquire(part, action, side))
         else:
             side.closed = True  # from now on, nothing is acquired for this side
             self._running.add(key)
-            self._spawn(self._clean(action, side))
+            self._spawn(self._clean(part, action, side))
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -489,8 +680,8 @@ class EngineSidecar:
 
     # --- handlers ---------------------------------------------------------------
 
-    async def _acquire(self, action: Action, side: Side) -> None:
-        key = (action.handoff_id, action.id)
+    async def _acquire(self, part: _Shard, action: Action, side: Side) -> None:
+        key = (part.name, action.handoff_id, action.id)
         report = None
         try:
             async with self._slots:
@@ -499,7 +690,7 @@ class EngineSidecar:
                 if side.closed:
                     # Canceled while it waited for a slot: it never starts.
                     self._running.discard(key)
-                    self._answer_closed(action)
+                    self._answer_closed(part, action)
                     return
                 # An engine without the handler takes nothing: nothing to free later.
                 implemented = action.kind in self._handlers
@@ -516,16 +707,16 @@ class EngineSidecar:
                 and outcome.kind is OutcomeKind.APPLIED
             ):
                 side.activated = True
-            self._cache.put(action.handoff_id, action.id, outcome)
+            part.cache.put(action.handoff_id, action.id, outcome)
             # Queued before this task yields, so the facts the handler's own
             # background work reports for this handoff line up behind it.
-            report = self._send_outcome(action, outcome)
+            report = self._send_outcome(part, action, outcome)
         finally:
             self._running.discard(key)
-        await self._await_report(action, report)
+        await self._await_report(part, action, report)
 
-    async def _clean(self, action: Action, side: Side) -> None:
-        key = (action.handoff_id, action.id)
+    async def _clean(self, part: _Shard, action: Action, side: Side) -> None:
+        key = (part.name, action.handoff_id, action.id)
         report = None
         try:
             # Outside any slot: waiting for a stuck handler must not hold
@@ -539,13 +730,13 @@ class EngineSidecar:
                 outcome = NOOP if side.freed_here else await self._run_handler(action)
             if outcome is None:
                 return  # unacknowledged: the server redelivers it
-            self._cache.put(action.handoff_id, action.id, outcome)
-            report = self._send_outcome(action, outcome)
+            part.cache.put(action.handoff_id, action.id, outcome)
+            report = self._send_outcome(part, action, outcome)
         finally:
             self._running.discard(key)
-        await self._await_report(action, report)
+        await self._await_report(part, action, report)
 
-    def _answer_closed(self, action: Action) -> None:
+    def _answer_closed(self, part: _Shard, action: Action) -> None:
         self._closed_hits += 1
         log.info(
             "%s answered FAILED without running: this side was already canceled or released",
@@ -553,8 +744,8 @@ class EngineSidecar:
             extra=self._log_extra(action),
         )
         outcome = Outcome.failed(CLOSED_REASON.format(engine=self.engine_id, kind=action.kind.name))
-        self._cache.put(action.handoff_id, action.id, outcome)
-        self._spawn(self._await_report(action, self._send_outcome(action, outcome)))
+        part.cache.put(action.handoff_id, action.id, outcome)
+        self._spawn(self._await_report(part, action, self._send_outcome(part, action, outcome)))
 
     async def _run_handler(self, action: Action) -> Outcome | None:
         """The handler's outcome, or None to leave a cleanup action for redelivery."""
@@ -597,12 +788,12 @@ class EngineSidecar:
 
     # --- completion -------------------------------------------------------------
 
-    def _take_complete(self, action: Action) -> None:
+    def _take_complete(self, part: _Shard, action: Action) -> None:
         """Close both sides now; free what is still held once their handlers are done."""
-        self._cache.forget(action.handoff_id)
+        part.cache.forget(action.handoff_id)
         owed: list[tuple[Role, Side]] = []
         for role in CANCEL_OF:
-            side = self._ledger.side(action.handoff_id, role)
+            side = part.ledger.side(action.handoff_id, role)
             if not side.closed:
                 side.closed = True
                 owed.append((role, side))
@@ -646,7 +837,10 @@ class EngineSidecar:
         """Fenced: free, through the engine's cancel handlers, every side it may hold."""
         self._stopping = True
         frees = []
-        for handoff_id, role, side in list(self._ledger.holding()):
+        holding = [held for part in self._shards.values() for held in part.ledger.holding()]
+        unattributed, self._unattributed = self._unattributed, {}
+        holding += [(h, role, Side(acquired=True)) for h, role in unattributed]
+        for handoff_id, role, side in holding:
             side.closed = True
             cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
             frees.append(self._free_when_idle(cause, role, side, "replaced by a newer incarnation"))
@@ -658,13 +852,34 @@ class EngineSidecar:
 
     # --- reports ------------------------------------------------------------------
 
-    def _send_outcome(self, action: Action, outcome: Outcome) -> asyncio.Future[None]:
-        return self._outbox.send(
+    @staticmethod
+    def _send_outcome(part: _Shard, action: Action, outcome: Outcome) -> asyncio.Future[None]:
+        return part.outbox.send(
             action.handoff_id,
-            lambda: self._transport.report_outcome(action.handoff_id, action.id, outcome),
+            lambda: part.transport.report_outcome(action.handoff_id, action.id, outcome),
         )
 
-    async def _await_report(self, action: Action, report: asyncio.Future[None] | None) -> None:
+    def _send_fact(self, handoff_id: str, fact: Fact) -> asyncio.Future[None]:
+        part = self._owner(handoff_id)
+        return part.outbox.send(handoff_id, lambda: part.transport.report_fact(handoff_id, fact))
+
+    def _owner(self, handoff_id: str) -> _Shard:
+        """The shard a fact about ``handoff_id`` goes to: the one whose stream brought
+        its actions; for a handoff no action has come for yet, the client's owner."""
+        for part in self._shards.values():
+            if part.ledger.knows(handoff_id):
+                return part
+        if not self._shards:
+            raise RuntimeError("the sidecar has not learned its shards yet: nothing to report to")
+        if self._client is not None and len(self._shards) > 1:
+            owner = self._shards.get(self._client.owner_of(handoff_id))
+            if owner is not None:
+                return owner
+        return next(iter(self._shards.values()))
+
+    async def _await_report(
+        self, part: _Shard, action: Action, report: asyncio.Future[None] | None
+    ) -> None:
         if report is None:
             return
         try:
@@ -675,10 +890,14 @@ class EngineSidecar:
             self._rejected += 1
             log.info("outcome for an unknown handoff dropped", extra=self._log_extra(action))
             side = (action.handoff_id, action.target)
-            await self._link.reclaim(side, "a report for it was answered NOT_FOUND")
+            await part.link.reclaim(side, "a report for it was answered NOT_FOUND")
         except HandoffRpcError as error:
             self._rejected += 1
             log.error("outcome refused: %s", error, extra=self._log_extra(action))
+
+    @property
+    def _extra(self) -> dict[str, object]:
+        return {"engine_id": self.engine_id}
 
     def _log_extra(self, action: Action) -> dict[str, object]:
         return {

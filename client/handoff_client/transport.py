@@ -15,13 +15,16 @@ idempotent on the server) and treats any other error as final.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, Callable
 from typing import Literal, Protocol, runtime_checkable
 
 from handoff_client.client import HandoffClient, Side
 from handoff_client.connect import ConnectTransport
+from handoff_client.errors import HandoffRpcError
 from handoff_client.liveness import Liveness
 from handoff_client.model import Action, Fact, Outcome, Reconciled
+from handoff_client.onshard import OnShard
 
 # What EngineSidecar(transport=...), `handoff sim` and `handoff demo` accept.
 TransportKind = Literal["connect", "unary"]
@@ -70,10 +73,10 @@ class LeasedTransport(SidecarTransport, Protocol):
 
 
 class UnaryTransport:
-    """StreamActions for actions, one unary call per report."""
+    """StreamActions for actions, one unary call per report; all at ``shard`` if given."""
 
-    def __init__(self, client: HandoffClient) -> None:
-        self._client = client
+    def __init__(self, client: HandoffClient, shard: str | None = None) -> None:
+        self._shard = OnShard(client, shard)
         self.liveness = Liveness()
 
     def subscribe(
@@ -84,13 +87,30 @@ class UnaryTransport:
         incarnation: str,
         session_id: str,
     ) -> AsyncGenerator[Action, None]:
-        return self._client.stream_actions(
+        return self._subscribe(engine_id, on_subscribed, incarnation, session_id)
+
+    async def _subscribe(
+        self,
+        engine_id: str,
+        on_subscribed: Callable[[], None],
+        incarnation: str,
+        session_id: str,
+    ) -> AsyncGenerator[Action, None]:
+        client = await self._shard.client()
+        actions = client.stream_actions(
             engine_id,
             on_subscribed,
             incarnation=incarnation,
             session_id=session_id,
             liveness=self.liveness,
         )
+        async with contextlib.aclosing(actions):
+            try:
+                async for action in actions:
+                    yield action
+            except HandoffRpcError:
+                self._shard.unreachable()
+                raise
 
     async def reconcile(
         self,
@@ -101,21 +121,26 @@ class UnaryTransport:
         held: list[Side],
         freed: list[Side],
     ) -> Reconciled:
-        return await self._client.reconcile(
+        client = await self._shard.client()
+        return await client.reconcile(
             engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
         )
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
-        await self._client.report_fact(handoff_id, fact)
+        client = await self._shard.client()
+        await client.report_fact(handoff_id, fact)
 
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
-        await self._client.report_outcome(handoff_id, action_id, outcome)
+        client = await self._shard.client()
+        await client.report_outcome(handoff_id, action_id, outcome)
 
 
-def make_transport(client: HandoffClient, kind: TransportKind) -> SidecarTransport:
-    """A new transport of ``kind`` over ``client``; one per sidecar."""
+def make_transport(
+    client: HandoffClient, kind: TransportKind, shard: str | None = None
+) -> SidecarTransport:
+    """A new transport of ``kind`` over ``client`` (at ``shard`` alone, if given); one per link."""
     if kind == "connect":
-        return ConnectTransport(client)
+        return ConnectTransport(client, shard)
     if kind == "unary":
-        return UnaryTransport(client)
+        return UnaryTransport(client, shard)
     raise ValueError(f"unknown transport {kind!r}: choose one of {', '.join(TRANSPORT_KINDS)}")
