@@ -17,7 +17,11 @@ stand-ins end when the replay does, so an engine that does not come back
 within the delivery timeout, counted from recovery, is lost as usual. What
 the server decided on its own (a deadline, a lost engine, a settled cleanup,
 a shutdown's cancel, an abandonment) was journaled when it happened and
-replays as a record: the replay never decides anything itself.
+replays as a record: the replay never decides anything itself. One thing
+is decided at the end: cleanup timeouts kept running while the server was
+down, so no handoff still cleaning up is abandoned before the delivery
+timeout (and a redelivery round) from recovery; by then its engines came
+back and reported, or were lost, which settles what they owed.
 
 A completed handoff is the exception to replaying calls (journal format 2):
 when it completes, one ``retained`` record (:func:`encode_retained`: its
@@ -417,6 +421,13 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
         for stream in streams.values():
             delivery.take(stream, TAKE_ALL)
             delivery.unsubscribe(stream)
+        # An engine has the delivery timeout from now to come back, and a
+        # redelivery round to report its cleanup, before a cleanup timeout
+        # that ran out while the server was down abandons what it owes.
+        settings = registry.settings
+        registry.defer_abandonment(
+            clock() + settings.delivery_timeout_s + settings.cleanup_redelivery_s
+        )
     registry.metrics = delivery.metrics = live_metrics
     phases = dict.fromkeys(Phase, 0)
     abandoned = 0
