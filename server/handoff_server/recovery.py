@@ -64,7 +64,7 @@ from handoff_server.core import (
 from handoff_server.delivery import Role, Subscription
 from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.journal import Journal
-from handoff_server.metrics import Metrics
+from handoff_server.metrics import discarding
 from handoff_server.model import (
     Canceled,
     Completion,
@@ -352,7 +352,7 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
     """
     began = time.monotonic()
     assert registry.recorder is None, "replay must not journal what it replays"
-    live_metrics, registry.metrics = registry.metrics, Metrics()  # history is not news
+    live_metrics, registry.metrics = registry.metrics, discarding()  # history is not news
     delivery = registry.delivery
     delivery.metrics = registry.metrics
     streams: dict[str, Subscription] = {}
