@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
-from bench.service import Measured, drive, load_average, say
+from bench.service import Measured, drive, load_average, percentile, say
 from handoff_server.config import Settings
 from handoff_server.entries import Retained, StartRequest
 from handoff_server.journal import DATABASE, Journal
@@ -59,7 +59,12 @@ from handoff_server.recovery import JournalRecorder, ReplayClock, recover
 from handoff_server.registry import Registry
 
 WAYS = {"history (format 1)": False, "snapshots (format 2)": True}
-MODES = {"off": (), "normal": ("--durability", "normal"), "full": ("--durability", "full")}
+MODES = {
+    "off": (),
+    "normal, commit delay 0": ("--durability", "normal", "--journal-commit-delay-ms", "0"),
+    "normal": ("--durability", "normal"),
+    "full": ("--durability", "full"),
+}
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1024, 1024, 10.0)
 
 
@@ -95,8 +100,9 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         for server in servers.values():
             server.stop()
     lines = [
-        "| path | journal | handoffs/s | server CPU µs/handoff | vs off | rejected+unfinished |",
-        "|---|---|---:|---:|---:|---:|",
+        "| path | journal | handoffs/s | server CPU µs/handoff | vs off | handoff p99 ms |"
+        " rejected+unfinished |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for path in ("stream", "unary"):
         if path not in args.paths:
@@ -107,8 +113,10 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
             cpu = cpu_per_handoff(runs)
             rate = sum(m.result.completed for m in runs) / sum(m.result.window_s for m in runs)
             bad = sum(m.result.rejected + m.result.unfinished for m in runs)
+            p99 = percentile([s for m in runs for s in m.result.handoff_s], 0.99) * 1000
             lines.append(
-                f"| {path} | {mode} | {rate:,.0f} | {cpu:,.0f} | {cpu / off - 1:+.1%} | {bad} |"
+                f"| {path} | {mode} | {rate:,.0f} | {cpu:,.0f} | {cpu / off - 1:+.1%} | "
+                f"{p99:.1f} | {bad} |"
             )
     lines.append("")
     for mode, (count, size) in held.items():

@@ -65,6 +65,36 @@ async def test_group_commit_makes_a_batch_durable_in_one_transaction(tmp_path: P
 
 
 @pytest.mark.timeout(30)
+async def test_a_commit_delay_gathers_calls_under_load_and_not_when_idle(
+    tmp_path: Path,
+) -> None:
+    """With a commit delay, calls that come one at a time, each waiting for
+    its commit, share commits; a call to an idle writer is committed at once."""
+    delay_s = 0.05
+    journal = Journal.open(tmp_path)
+    journal.start_writer(delay_s)
+    try:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        journal.append("idle", 1.0, ["canceled"])
+        await journal.durable()
+        assert loop.time() - began < delay_s  # nothing committed within the delay
+
+        # Right after that commit: each call waits for the commit that holds it
+        # (its answer's) while the next calls arrive, as unary calls under load.
+        waits = []
+        for i in range(10):
+            journal.append(f"busy{i}", 2.0, ["failed"])
+            waits.append(asyncio.ensure_future(journal.durable()))
+            await asyncio.sleep(delay_s / 20)
+        await asyncio.gather(*waits)
+        assert len(rows(tmp_path)) == 11
+        assert journal.commits <= 1 + 3  # without the delay: about one per call
+    finally:
+        await journal.close()
+
+
+@pytest.mark.timeout(30)
 async def test_durable_returns_at_once_when_nothing_is_pending(tmp_path: Path) -> None:
     journal = Journal.open(tmp_path)
     journal.start_writer()

@@ -29,6 +29,7 @@ from handoff_server.metrics import Metrics
 from handoff_server.model import (
     ActionKind,
     Canceled,
+    Completion,
     DestinationReserved,
     EngineLost,
     Fact,
@@ -202,6 +203,11 @@ def test_a_recovered_registry_equals_the_one_that_crashed(data: st.DataObject) -
         assert second.recovery.skipped == 0
         assert second.recovery.total == len(first.registry.handoffs)
         assert second.registry.active_count == first.registry.active_count
+        # Recovery gives engines time to come back before a cleanup is
+        # abandoned; the reference, restarting at that instant, does too.
+        first.registry.defer_abandonment(
+            later.now + SETTINGS.delivery_timeout_s + SETTINGS.cleanup_redelivery_s
+        )
 
         # Every outstanding action counts as written: an engine that comes
         # back to the recovered server is sent exactly what it would be sent
@@ -348,3 +354,49 @@ def test_a_side_settled_unsent_is_not_sent_after_recovery(tmp_path: Path) -> Non
     for world in (first, second):
         stream = world.registry.subscribe("decode-a", lambda: None)
         assert world.registry.delivery.take(stream, 100) == []
+
+
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_a_cleanup_timeout_that_ran_out_while_down_does_not_abandon_at_recovery(
+    tmp_path: Path, comes_back: bool
+) -> None:
+    """Down for longer than the cleanup timeout: the handoff is not abandoned
+    the moment the server recovers. Its engine comes back and acknowledges
+    the cleanup, or is lost a delivery timeout later, which settles it;
+    either way the handoff completes CANCELED, never abandoned."""
+    clock = FakeClock()
+    first = World(tmp_path, clock)
+    stream = first.registry.subscribe("prefill-a", lambda: None)
+    first.registry.start(StartRequest("h", Order.SOURCE_FIRST, "prefill-a", "decode-a", 0.0))
+    assert [d.action.kind for d in first.registry.delivery.take(stream) or []] == [
+        ActionKind.SUBMIT_PREFILL
+    ]
+    first.registry.report_fact("h", Canceled())  # CancelSource#1 owed by prefill-a
+    assert first.registry.get("h").core.phase is Phase.CLEANING_UP
+    first.journal.commit_now()
+    first.journal.close_now()
+
+    later = FakeClock()
+    later.now = clock.now + SETTINGS.cleanup_timeout_s + 5.0
+    second = World(tmp_path, later)
+    r = second.registry
+    r.fire_due()
+    entry = r.get("h")
+    assert isinstance(entry, Entry)
+    assert entry.abandoned_at is None
+    if comes_back:
+        later.now += SETTINGS.delivery_timeout_s - 1.0
+        r.fire_due()
+        stream = r.subscribe("prefill-a", lambda: None)
+        sent = [d.action for d in r.delivery.take(stream) or []]
+        assert [a.kind for a in sent] == [ActionKind.SUBMIT_PREFILL, ActionKind.CANCEL_SOURCE]
+        r.report_outcome("h", sent[0].id, Outcome(OutcomeKind.SUBMITTED))
+        r.report_outcome("h", sent[1].id, Outcome(OutcomeKind.APPLIED))
+    else:
+        later.now += SETTINGS.delivery_timeout_s + 0.5
+        r.fire_due()
+        assert LifecycleEvent.SOURCE_LOST in r.get("h").core.lifecycle
+    done = r.get("h")
+    assert isinstance(done, Retained)  # complete; an abandoned one stays an Entry
+    assert done.core.completion is Completion.CANCELED
+    second.journal.close_now()

@@ -136,7 +136,7 @@ class Server:
         self.incarnation = journal.incarnation
         self.registry.recorder = JournalRecorder(journal)
         journal.on_failure = lambda error: self.failed.set()
-        journal.start_writer()
+        journal.start_writer(settings.journal_commit_delay_ms / 1000)
         log.info(
             "journal at %s (durability %s), coordinator incarnation %d",
             settings.state_dir,

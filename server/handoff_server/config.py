@@ -81,6 +81,12 @@ class Settings:
         "normal: a commit survives the process dying; full: also the machine (fsync per commit)",
         choices=("normal", "full"),
     )
+    journal_commit_delay_ms: float = _setting(
+        1.0,
+        "under load, at most one journal commit per this many ms, so one commit holds "
+        "more calls (less CPU per call, up to this much more latency); an idle server "
+        "commits at once; 0: commit as soon as the previous commit ends",
+    )
     # --- sharding (docs/sharding.md) --------------------------------------------
     shard_count: int = _setting(1, "coordinator shards in all; 1 is a single coordinator")
     shard_ordinal: int = _setting(

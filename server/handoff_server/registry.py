@@ -727,6 +727,14 @@ class Registry:
         assert isinstance(entry, Entry), "only a handoff still cleaning up is abandoned"
         self._abandon(entry, self.clock())
 
+    def defer_abandonment(self, not_before: float) -> None:
+        """Abandon no handoff still cleaning up before ``not_before``, keeping
+        later times. Recovery sets it: cleanup timeouts ran on while the server
+        was down, and an engine that owes a cleanup gets the chance to come
+        back and report it (or be lost, which settles it) before its handoff
+        is given up."""
+        self._timers.defer(TimerKind.ABANDON, not_before)
+
     def restore(self, retained: Retained) -> bool:
         """Keep a completed handoff as a journal snapshot brought it back
         (recovery); False if its id is taken, and nothing changed."""

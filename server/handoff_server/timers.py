@@ -63,6 +63,13 @@ class TimerHeap:
                 return timer
         return None
 
+    def defer(self, kind: TimerKind, not_before: float) -> None:
+        """Move each timer of ``kind`` due before ``not_before`` to it; later ones stay."""
+        for timer in self._heap:
+            if timer.kind is kind and timer.when < not_before:
+                timer.when = not_before
+        heapq.heapify(self._heap)
+
     def compact(self, live_hint: int) -> None:
         """Drop stale timers once they dominate the heap (in place: see the module doc)."""
         if len(self._heap) > 2 * live_hint + 1024:
