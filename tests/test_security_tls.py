@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import sys
 import uuid
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_client import HandoffClient, RetryPolicy
+from handoff_client import EngineType, HandoffClient, RetryPolicy
 from handoff_client.errors import NotFoundError, UnavailableError
 from handoff_server import health
 from handoff_server.app import Server
@@ -157,3 +158,53 @@ async def test_a_plaintext_health_port_serves_probes_and_nothing_else(
         stopping = asyncio.create_task(server.stop())
         assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
         await stopping
+
+
+async def test_inspect_reaches_a_server_with_mutual_tls_and_a_token(
+    start_server: StartServer, pki: Pki, tmp_path: Path
+) -> None:
+    server = await start_server(**pki.tls_settings(mutual=True), tokens=TOKEN)
+    handoff_id = str(uuid.uuid4())
+    async with HandoffClient(
+        f"127.0.0.1:{server.port}",
+        tls_root_cert=pki.ca.cert_path,
+        tls_client_cert=pki.client.cert_path,
+        tls_client_key=pki.client.key_path,
+        token=TOKEN,
+    ) as client:
+        await client.start_handoff(
+            handoff_id,
+            engine_type=EngineType.VLLM,
+            source_engine_id="prefill-0",
+            destination_engine_id="decode-0",
+        )
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    secure = [
+        f"--tls-root-cert={pki.ca.cert_path}",
+        f"--tls-client-cert={pki.client.cert_path}",
+        f"--tls-client-key={pki.client.key_path}",
+        f"--token-file={token_file}",
+    ]
+
+    async def inspect(*options: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            *(sys.executable, "-m", "handoff_server.cli", "inspect", handoff_id),
+            *(f"--target=127.0.0.1:{server.port}", "--timeout=3", *options),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        async with asyncio.timeout(TIMEOUT_S):
+            out, err = await process.communicate()
+        assert process.returncode is not None
+        return process.returncode, out.decode(), err.decode()
+
+    code, out, err = await inspect(*secure)
+    assert code == 0, err
+    assert f"handoff      {handoff_id}" in out
+    code, _, err = await inspect(*secure[:3])  # no token
+    assert code == 1
+    assert "UNAUTHENTICATED" in err
+    code, _, err = await inspect(*secure[:3], f"--token-file={tmp_path / 'missing'}")
+    assert code == 2
+    assert "missing" in err
