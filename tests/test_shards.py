@@ -593,3 +593,28 @@ async def test_the_remembered_owners_are_bounded(monkeypatch: pytest.MonkeyPatch
     assert [router.owner(h) for h in ids[1:]] == ["handoff-1", "handoff-1"]
     await router.close()
     await seed.close(None)
+
+
+async def test_a_refusal_naming_an_unknown_owner_refetches_the_map_at_once() -> None:
+    """Refreshes are rate-limited, but a shard naming an owner the client's map
+    lacks (the count grew) is news worth asking for at once."""
+    maps = [
+        ShardMap.of([("handoff-0", "a:1"), ("handoff-1", "b:1")]),
+        ShardMap.of([("handoff-0", "a:1"), ("handoff-1", "b:1"), ("handoff-2", "c:1")]),
+    ]
+    fetched: list[ShardMap] = []
+
+    async def fetch() -> ShardMap:
+        fetched.append(maps[len(fetched)])
+        return fetched[-1]
+
+    async with grpc.aio.insecure_channel("127.0.0.1:1") as seed:
+        router = routing.Router(
+            seed, "a:1", dial=grpc.aio.insecure_channel, fetch=fetch, explicit=None
+        )
+        assert (await router.shard_map()).names == ("handoff-0", "handoff-1")
+        router.stale()
+        assert (await router.shard_map()).names == ("handoff-0", "handoff-1")  # rate-limited
+        assert len(fetched) == 1
+        assert "handoff-2" in (await router.refetch()).names
+        assert len(fetched) == 2

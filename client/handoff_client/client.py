@@ -453,7 +453,10 @@ class HandoffClient:
         except MisroutedError as refused:
             # Our map is behind the shard's: learn it again, and go where it said, once.
             self._router.stale()
-            if refused.owner not in (await self._router.shard_map()).names:
+            shard_map = await self._router.shard_map()
+            if refused.owner not in shard_map.names:
+                shard_map = await self._router.refetch()
+            if refused.owner not in shard_map.names:
                 raise
             shard = refused.owner
             self._router.remember(handoff_id, shard)

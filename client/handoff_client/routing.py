@@ -93,6 +93,15 @@ class Router:
             await asyncio.shield(self._fetching)
         return self._map if self.learned else None
 
+    async def refetch(self) -> ShardMap:
+        """Ask for the map now, rate limit or not (joining a fetch under way): a
+        shard named an owner this client's map does not know."""
+        if not self._explicit:
+            if self._fetching is None:
+                self._fetching = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(self._fetching)
+        return self.known
+
     def stale(self) -> None:
         """Refresh before the next routed call (rate-limited): a shard may have moved."""
         self._due = min(self._due, self._last + MIN_REFRESH_S)
