@@ -194,7 +194,13 @@ async def test_a_second_coordinator_on_a_taken_port_refuses_to_start(tmp_path: P
             "--health-port=-1",
             stderr=asyncio.subprocess.PIPE,
         )
-        _, stderr = await asyncio.wait_for(second.communicate(), timeout=60)
+        try:
+            async with asyncio.timeout(60):
+                _, stderr = await second.communicate()
+        finally:
+            if second.returncode is None:  # it bound after all: never leave it running
+                second.kill()
+                await second.wait()
         assert second.returncode == 1
         assert f"cannot bind gRPC on 127.0.0.1:{first.port}: in use" in stderr.decode()
         async with HandoffClient(first.address, retry=ONCE) as client:
