@@ -80,17 +80,19 @@ async def test_every_fault_at_small_scale_leaks_nothing(
     start_server: StartServer, transport: TransportKind
 ) -> None:
     # Short server timers: the dead engine is noticed and its handoffs settled in time.
-    # The delivery timeout outlasts a blackout and the reconnect after it: a live
-    # engine declared unreachable owes nothing, and what it held is only freed
-    # if the COMPLETE notice reaches it (no lease yet: the crash-safety issue).
+    # Some blackouts outlast the delivery timeout: the server declares a live
+    # engine unreachable and frees the other side of its handoffs, and the
+    # engine's lease (0.5 s) has freed its own side first; nothing leaks.
     server = await start_server(
-        delivery_timeout_s=2.0, cleanup_timeout_s=4.0, cleanup_redelivery_s=0.1
+        delivery_timeout_s=1.0, cleanup_timeout_s=4.0, cleanup_redelivery_s=0.1
     )
+    long_blackouts = replace(EVERY_FAULT.faults, stream_drop_every_s=2.0, blackout_s=1.5)
+    config = replace(EVERY_FAULT, transport=transport, faults=long_blackouts)
     async with (
         HandoffClient(f"127.0.0.1:{server.port}") as client,
         asyncio.timeout(TIMEOUT_S),
     ):
-        result = await simulate(client, replace(EVERY_FAULT, transport=transport))
+        result = await simulate(client, config)
         metrics = await scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
     leaks, counters = result.leaks, result.counters
     assert leaks.leaks == ()
@@ -130,6 +132,11 @@ async def test_every_fault_at_small_scale_leaks_nothing(
     assert "leaked: 0 blocks" in render(result, metrics)
     # Every injected drop ended a live sidecar's stream, which reconnected.
     assert result.sidecars.reconnects >= result.stream_drops
+    # Blackouts outlasted the lease and the delivery timeout: live engines'
+    # leases fired, and the server declared live engines lost, not only the dead one.
+    assert result.sidecars.lease_expiries > 0
+    lost = metrics.by_label("handoff_engines_lost_total", "cause")
+    assert lost["unreachable"] > 1, lost
 
 
 async def test_every_fault_against_three_shards_leaks_nothing(
