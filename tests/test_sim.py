@@ -74,20 +74,21 @@ EVERY_FAULT = SimConfig(
     seed=11,
 )
 
+# Blackouts that outlast the delivery timeout the tests give the server (1 s):
+# the server declares a live engine unreachable and frees the other side of
+# its handoffs, and the engine's lease (0.5 s) has freed its own side first.
+LONG_BLACKOUTS = replace(EVERY_FAULT.faults, stream_drop_every_s=2.0, blackout_s=1.5)
+
 
 @pytest.mark.parametrize("transport", TRANSPORT_KINDS)
 async def test_every_fault_at_small_scale_leaks_nothing(
     start_server: StartServer, transport: TransportKind
 ) -> None:
     # Short server timers: the dead engine is noticed and its handoffs settled in time.
-    # Some blackouts outlast the delivery timeout: the server declares a live
-    # engine unreachable and frees the other side of its handoffs, and the
-    # engine's lease (0.5 s) has freed its own side first; nothing leaks.
     server = await start_server(
         delivery_timeout_s=1.0, cleanup_timeout_s=4.0, cleanup_redelivery_s=0.1
     )
-    long_blackouts = replace(EVERY_FAULT.faults, stream_drop_every_s=2.0, blackout_s=1.5)
-    config = replace(EVERY_FAULT, transport=transport, faults=long_blackouts)
+    config = replace(EVERY_FAULT, transport=transport, faults=LONG_BLACKOUTS)
     async with (
         HandoffClient(f"127.0.0.1:{server.port}") as client,
         asyncio.timeout(TIMEOUT_S),
@@ -156,7 +157,7 @@ async def test_every_fault_against_three_shards_leaks_nothing(
             shard_ordinal=ordinal,
             shard_map=str(shard_map),
             shard_name_prefix="handoff",  # not this machine's hostname
-            delivery_timeout_s=2.0,
+            delivery_timeout_s=1.0,
             cleanup_timeout_s=4.0,
             cleanup_redelivery_s=0.1,
         )
@@ -168,7 +169,7 @@ async def test_every_fault_against_three_shards_leaks_nothing(
     ):
         # Seed 17 restarts vllm-prefill-0 while it has handoffs under way (with
         # seed 11, the SGLang prefill it restarts may have none left to lose).
-        result = await simulate(client, replace(EVERY_FAULT, seed=17))
+        result = await simulate(client, replace(EVERY_FAULT, seed=17, faults=LONG_BLACKOUTS))
         metrics = [
             await scrape(f"http://127.0.0.1:{shard.metrics_port}/metrics") for shard in shards
         ]
