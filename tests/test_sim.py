@@ -25,10 +25,10 @@ from handoff_client import (
     SidecarTransport,
     UnaryTransport,
 )
-from handoff_client.sidecar import EngineSidecar, SidecarStats
+from handoff_client.sidecar import SidecarStats
 from handoff_client.sim.cluster import Cluster
 from handoff_client.sim.config import FaultProfile, LoadProfile, SimConfig
-from handoff_client.sim.faults import CoordinatorCrash
+from handoff_client.sim.faults import CoordinatorCrash, FlakyTransport
 from handoff_client.sim.frontend import Counters, Journey
 from handoff_client.sim.leaks import LeakCheck, PoolLeak, check_leaks
 from handoff_client.sim.pool import KvBlockPool
@@ -36,8 +36,9 @@ from handoff_client.sim.report import percentile, render
 from handoff_client.sim.run import SimResult, simulate
 from handoff_client.sim.scrape import parse, scrape
 from handoff_client.sim.workload import RequestBook
-from handoff_client.transport import TRANSPORT_KINDS, TransportKind
+from handoff_client.transport import TRANSPORT_KINDS, LeasedTransport, TransportKind
 from tests.conftest import StartServer, free_port
+from tests.lease_support import until
 
 TIMEOUT_S = 60.0
 
@@ -73,23 +74,26 @@ EVERY_FAULT = SimConfig(
     seed=11,
 )
 
+# Blackouts that outlast the delivery timeout the tests give the server (1 s):
+# the server declares a live engine unreachable and frees the other side of
+# its handoffs, and the engine's lease (0.5 s) has freed its own side first.
+LONG_BLACKOUTS = replace(EVERY_FAULT.faults, stream_drop_every_s=2.0, blackout_s=1.5)
+
 
 @pytest.mark.parametrize("transport", TRANSPORT_KINDS)
 async def test_every_fault_at_small_scale_leaks_nothing(
     start_server: StartServer, transport: TransportKind
 ) -> None:
     # Short server timers: the dead engine is noticed and its handoffs settled in time.
-    # The delivery timeout outlasts a blackout and the reconnect after it: a live
-    # engine declared unreachable owes nothing, and what it held is only freed
-    # if the COMPLETE notice reaches it (no lease yet: the crash-safety issue).
     server = await start_server(
-        delivery_timeout_s=2.0, cleanup_timeout_s=4.0, cleanup_redelivery_s=0.1
+        delivery_timeout_s=1.0, cleanup_timeout_s=4.0, cleanup_redelivery_s=0.1
     )
+    config = replace(EVERY_FAULT, transport=transport, faults=LONG_BLACKOUTS)
     async with (
         HandoffClient(f"127.0.0.1:{server.port}") as client,
         asyncio.timeout(TIMEOUT_S),
     ):
-        result = await simulate(client, replace(EVERY_FAULT, transport=transport))
+        result = await simulate(client, config)
         metrics = await scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
     leaks, counters = result.leaks, result.counters
     assert leaks.leaks == ()
@@ -129,6 +133,11 @@ async def test_every_fault_at_small_scale_leaks_nothing(
     assert "leaked: 0 blocks" in render(result, metrics)
     # Every injected drop ended a live sidecar's stream, which reconnected.
     assert result.sidecars.reconnects >= result.stream_drops
+    # Blackouts outlasted the lease and the delivery timeout: live engines'
+    # leases fired, and the server declared live engines lost, not only the dead one.
+    assert result.sidecars.lease_expiries > 0
+    lost = metrics.by_label("handoff_engines_lost_total", "cause")
+    assert lost["unreachable"] > 1, lost
 
 
 async def test_every_fault_against_three_shards_leaks_nothing(
@@ -148,7 +157,7 @@ async def test_every_fault_against_three_shards_leaks_nothing(
             shard_ordinal=ordinal,
             shard_map=str(shard_map),
             shard_name_prefix="handoff",  # not this machine's hostname
-            delivery_timeout_s=2.0,
+            delivery_timeout_s=1.0,
             cleanup_timeout_s=4.0,
             cleanup_redelivery_s=0.1,
         )
@@ -158,7 +167,9 @@ async def test_every_fault_against_three_shards_leaks_nothing(
         HandoffClient(f"127.0.0.1:{ports[0]}") as client,
         asyncio.timeout(TIMEOUT_S),
     ):
-        result = await simulate(client, EVERY_FAULT)
+        # Seed 17 restarts vllm-prefill-0 while it has handoffs under way (with
+        # seed 11, the SGLang prefill it restarts may have none left to lose).
+        result = await simulate(client, replace(EVERY_FAULT, seed=17, faults=LONG_BLACKOUTS))
         metrics = [
             await scrape(f"http://127.0.0.1:{shard.metrics_port}/metrics") for shard in shards
         ]
@@ -179,7 +190,7 @@ async def test_every_fault_against_three_shards_leaks_nothing(
         scraped.by_label("handoff_engines_lost_total", "cause").get("restarted", 0.0)
         for scraped in metrics
     ]
-    assert max(restarted) == 1
+    assert max(restarted) == 1, render(result, metrics)
     summary = render(result, metrics)
     assert "shards: handoff-0 " in summary
     assert "3 shards, counters summed" in summary
@@ -238,7 +249,7 @@ def journey(handoff_id: str, final: Handoff | None, *, finished: bool = True) ->
 async def test_the_leak_check_finds_held_blocks_and_unfinished_handoffs() -> None:
     config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)))
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
-        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
+        cluster = Cluster(client, 1, config, RequestBook(), lambda _: None, random.Random(1))
         decode = cluster.routable(EngineType.VLLM, Role.DESTINATION)[0].engine
         decode.pool.allocate("leaky", 40)
         journeys = [
@@ -306,22 +317,44 @@ def test_impossible_configs_are_refused(changes: dict[str, object], message: str
 @pytest.mark.parametrize(
     ("transport", "expected"), [("connect", ConnectTransport), ("unary", UnaryTransport)]
 )
-async def test_the_fleet_uses_the_transport_asked_for(
-    transport: TransportKind, expected: type[SidecarTransport]
+@pytest.mark.parametrize("drops", [False, True])
+async def test_the_fleet_uses_the_transport_asked_for_with_its_lease(
+    start_lean_server: StartServer,
+    transport: TransportKind,
+    expected: type[SidecarTransport],
+    drops: bool,
 ) -> None:
-    config = SimConfig(load=LoadProfile(stacks=(EngineType.VLLM,)), transport=transport)
-    async with HandoffClient(f"127.0.0.1:{free_port()}") as client:  # never called
-        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
-    sidecars = [node.sidecar for node in cluster.nodes]
-    assert all(isinstance(sidecar, EngineSidecar) for sidecar in sidecars)  # one shard
-    assert {type(s.transport) for s in sidecars if isinstance(s, EngineSidecar)} == {expected}
+    server = await start_lean_server()
+    # Drops so rare that none happens: only how the links are made is looked at.
+    faults = FaultProfile(stream_drop_every_s=1e6 if drops else 0.0)
+    config = SimConfig(
+        load=LoadProfile(stacks=(EngineType.VLLM,)), transport=transport, faults=faults
+    )
+    async with HandoffClient(f"127.0.0.1:{server.port}") as client:
+        cluster = Cluster(client, 1, config, RequestBook(), lambda _: None, random.Random(1))
+        async with asyncio.timeout(TIMEOUT_S):
+            await cluster.start()
+            # Every link, flaky or not, reconciles once subscribed (and runs the lease).
+            await until(lambda: all(node.sidecar.stats.reconciles for node in cluster.nodes))
+            await cluster.stop()
+    for node in cluster.nodes:
+        link = node.sidecar.transport
+        assert isinstance(link, LeasedTransport)
+        assert node.sidecar.stats.reconciles == 1
+        if drops:
+            assert node.transports == [link]
+            assert isinstance(link, FlakyTransport)
+            assert link.drops == 0
+        else:
+            assert node.transports == []
+            assert type(link) is expected
 
 
 async def test_a_dead_engine_never_takes_the_last_of_its_role() -> None:
     config = SimConfig(prefill_engines=1, decode_engines=1, faults=FaultProfile(dead_engines=1))
     async with HandoffClient(f"127.0.0.1:{free_port()}") as client:
         with pytest.raises(ValueError, match="keep one of each role"):
-            Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
+            Cluster(client, 1, config, RequestBook(), lambda _: None, random.Random(1))
 
 
 async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
@@ -335,7 +368,7 @@ async def test_a_restarted_engine_comes_back_empty_under_a_new_incarnation(
         faults=FaultProfile(restarted_engines=1),
     )
     async with HandoffClient(f"127.0.0.1:{server.port}") as client:
-        cluster = Cluster([client], config, RequestBook(), lambda _: None, random.Random(1))
+        cluster = Cluster(client, 1, config, RequestBook(), lambda _: None, random.Random(1))
         [node] = cluster.to_restart
         old_engine, old_sidecar = node.engine, node.sidecar
         async with asyncio.timeout(TIMEOUT_S):

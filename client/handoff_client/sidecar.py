@@ -313,6 +313,13 @@ class EngineSidecar:
     engine's start, when the sidecar runs beside an engine that outlives it,
     so a restarted sidecar resumes instead of having the engine declared lost.
     :attr:`session_id` is random per sidecar object.
+
+    ``wrap_transport``, for fault injection and instrumentation: given a
+    client, the sidecar calls it with each shard's name and the transport it
+    made for that shard's link, and the link uses what it returns (given a
+    transport, wrap that yourself). Return a
+    :class:`~handoff_client.transport.LeasedTransport`, or the link runs no
+    lease and no reconcile.
     """
 
     def __init__(
@@ -329,6 +336,7 @@ class EngineSidecar:
         rng: random.Random | None = None,
         transport: TransportKind | None = None,
         incarnation: str | None = None,
+        wrap_transport: Callable[[str, SidecarTransport], SidecarTransport] | None = None,
     ) -> None:
         if max_concurrency < 1 or cleanup_concurrency < 1:
             raise ValueError("max_concurrency and cleanup_concurrency must be >= 1")
@@ -350,6 +358,7 @@ class EngineSidecar:
         else:
             self._given = connection
         self._backoff = reconnect_backoff or Backoff()
+        self._wrap_transport = wrap_transport
         self._slots = asyncio.Semaphore(max_concurrency)
         self._cleanup_slots = asyncio.Semaphore(cleanup_concurrency)
         self._shards: dict[str, _Shard] = {}  # by shard name ("" for a given transport)
@@ -561,7 +570,10 @@ class EngineSidecar:
             if name not in self._shards:
                 if self._shards:
                     log.info("shard %s joined: opening a link to it", name, extra=self._extra)
-                self._open(name, make_transport(client, self._kind, name))
+                transport = make_transport(client, self._kind, name)
+                if self._wrap_transport is not None:
+                    transport = self._wrap_transport(name, transport)
+                self._open(name, transport)
         for name, part in list(self._shards.items()):
             if name in shard_map.names or self._busy(part):
                 continue

@@ -1,8 +1,9 @@
 """The simulated fleet: per stack, prefill and decode engines, each behind its own sidecar.
 
-Against a sharded coordinator an engine has one sidecar per shard
-(:class:`ShardSidecars`), each on a client bound to its shard, until
-EngineSidecar holds a stream per shard itself; see :meth:`Cluster._sidecar`.
+Each engine's sidecar is the product's EngineSidecar given the routing
+client, as a real engine's is: against a sharded coordinator it holds a link
+per shard, each with its lease and reconcile. Injected connection drops wrap
+each link's transport in a :class:`FlakyTransport`.
 """
 
 from __future__ import annotations
@@ -10,49 +11,21 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from handoff_client.client import HandoffClient
 from handoff_client.model import EngineType, Role
 from handoff_client.retry import Backoff
-from handoff_client.sidecar import EngineSidecar, SidecarStats, new_incarnation
+from handoff_client.sidecar import EngineSidecar, SidecarStats
 from handoff_client.sim.config import SimConfig
 from handoff_client.sim.engine import SimEngine
 from handoff_client.sim.faults import FlakyTransport
 from handoff_client.sim.pool import KvBlockPool
 from handoff_client.sim.workload import RequestBook
-from handoff_client.transport import SidecarTransport, make_transport
+from handoff_client.transport import LeasedTransport, SidecarTransport
 
 # Simulated sidecars reconnect quickly: the demo's delivery timeout is short.
 SIM_RECONNECT = Backoff(initial_s=0.02, max_s=0.5)
-
-
-class ShardSidecars:
-    """One engine's sidecars, one per coordinator shard, used as one sidecar.
-
-    A handoff's actions come from the shard that owns it, on that shard's
-    sidecar, and the facts its handlers report go back through the same
-    sidecar, so to the same shard. The sidecars share the engine's
-    incarnation: to every shard, they are one engine process.
-    """
-
-    def __init__(self, sidecars: Sequence[EngineSidecar]) -> None:
-        self._sidecars = tuple(sidecars)
-        (self.incarnation,) = {sidecar.incarnation for sidecar in sidecars}
-
-    def start(self) -> None:
-        for sidecar in self._sidecars:
-            sidecar.start()
-
-    async def wait_subscribed(self) -> None:
-        await asyncio.gather(*(sidecar.wait_subscribed() for sidecar in self._sidecars))
-
-    async def stop(self, grace_s: float | None = None) -> None:
-        await asyncio.gather(*(sidecar.stop(grace_s) for sidecar in self._sidecars))
-
-    @property
-    def stats(self) -> SidecarStats:
-        return sum_stats([sidecar.stats for sidecar in self._sidecars])
 
 
 def sum_stats(stats: Sequence[SidecarStats]) -> SidecarStats:
@@ -71,8 +44,9 @@ class Node:
     stack: EngineType
     role: Role  # SOURCE: a prefill engine; DESTINATION: a decode engine
     engine: SimEngine
-    sidecar: EngineSidecar | ShardSidecars
-    transports: tuple[FlakyTransport, ...]  # empty when no drops are injected
+    sidecar: EngineSidecar
+    # One per shard, made as the sidecar opens its links; none when no drops are injected.
+    transports: list[FlakyTransport] = field(default_factory=list)
 
     @property
     def engine_id(self) -> str:
@@ -82,15 +56,17 @@ class Node:
 class Cluster:
     def __init__(
         self,
-        shards: Sequence[HandoffClient],
+        client: HandoffClient,
+        shard_count: int,
         config: SimConfig,
         book: RequestBook,
         on_complete: Callable[[str], None],
         rng: random.Random,
     ) -> None:
-        """``shards``: a client per coordinator shard (bound to it), or the one client."""
+        """``client`` routes to the coordinator's ``shard_count`` shards (1: not sharded)."""
         self.nodes: list[Node] = []
-        self._shards = tuple(shards)
+        self._client = client
+        self._shard_count = shard_count
         self._config = config
         self._book = book
         self._on_complete = on_complete
@@ -129,8 +105,8 @@ class Cluster:
 
     def _process(
         self, engine_id: str, role: Role
-    ) -> tuple[SimEngine, EngineSidecar | ShardSidecars, tuple[FlakyTransport, ...]]:
-        """A new engine process: empty memory, sidecars with a new incarnation."""
+    ) -> tuple[SimEngine, EngineSidecar, list[FlakyTransport]]:
+        """A new engine process: empty memory, a sidecar with a new incarnation."""
         config, rng = self._config, self._rng
         faults, profile = config.faults, config.engine
         blocks = profile.prefill_blocks if role is Role.SOURCE else profile.decode_blocks
@@ -144,44 +120,33 @@ class Cluster:
             time_scale=config.time_scale,
             failure_rate=faults.action_failure_rate,
         )
-        transports: list[SidecarTransport] = []
         flaky: list[FlakyTransport] = []
-        for shard in self._shards:
-            transport = make_transport(shard, config.transport)
-            if faults.stream_drop_every_s > 0:
-                # Each of the engine's connections drops as often as the
-                # engine's drop rate shared out over them.
-                transport = FlakyTransport(
-                    transport,
-                    mean_interval_s=faults.stream_drop_every_s * len(self._shards),
-                    blackout_s=faults.blackout_s,
-                    rng=random.Random(rng.random()),
-                )
-                flaky.append(transport)
-            transports.append(transport)
-        return engine, self._sidecar(engine, transports), tuple(flaky)
+        flaky_rng = random.Random(rng.random())
 
-    def _sidecar(
-        self, engine: SimEngine, transports: Sequence[SidecarTransport]
-    ) -> EngineSidecar | ShardSidecars:
-        """The engine's sidecar: one per shard's transport, sharing the engine's incarnation.
-
-        Once EngineSidecar holds a stream per shard itself, this is one
-        sidecar given the routing client instead of ShardSidecars.
-        """
-        incarnation = new_incarnation()
-        sidecars = [
-            EngineSidecar(
+        def drop_now_and_then(shard: str, transport: SidecarTransport) -> SidecarTransport:
+            if not isinstance(transport, LeasedTransport):
+                raise TypeError(f"{engine_id}: the link to shard {shard} has no lease to keep")
+            # Each of the engine's links drops as often as the engine's drop
+            # rate shared out over them.
+            wrapped = FlakyTransport(
                 transport,
-                engine.engine_id,
-                engine,
-                reconnect_backoff=SIM_RECONNECT,
-                rng=random.Random(self._rng.random()),
-                incarnation=incarnation,
+                mean_interval_s=faults.stream_drop_every_s * self._shard_count,
+                blackout_s=faults.blackout_s,
+                rng=random.Random(flaky_rng.random()),
             )
-            for transport in transports
-        ]
-        return sidecars[0] if len(sidecars) == 1 else ShardSidecars(sidecars)
+            flaky.append(wrapped)
+            return wrapped
+
+        sidecar = EngineSidecar(
+            self._client,
+            engine_id,
+            engine,
+            reconnect_backoff=SIM_RECONNECT,
+            rng=random.Random(rng.random()),
+            transport=config.transport,
+            wrap_transport=drop_now_and_then if faults.stream_drop_every_s > 0 else None,
+        )
+        return engine, sidecar, flaky
 
     def _pick_doomed(self, count: int, rng: random.Random) -> list[Node]:
         """Engines that will die, chosen so every stack keeps one engine of each role."""

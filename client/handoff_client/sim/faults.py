@@ -16,15 +16,16 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from handoff_client.client import Side
 from handoff_client.errors import UnavailableError
-from handoff_client.model import Action, Fact, Outcome
-from handoff_client.transport import SidecarTransport
+from handoff_client.model import Action, Fact, Outcome, Reconciled
+from handoff_client.transport import LeasedTransport
 
 
 class FlakyTransport:
     def __init__(
         self,
-        inner: SidecarTransport,
+        inner: LeasedTransport,
         *,
         mean_interval_s: float,
         blackout_s: float,
@@ -33,6 +34,7 @@ class FlakyTransport:
         if mean_interval_s <= 0 or blackout_s < 0:
             raise ValueError("mean_interval_s must be > 0 and blackout_s >= 0")
         self._inner = inner
+        self.liveness = inner.liveness
         self._mean_interval_s = mean_interval_s
         self._blackout_s = blackout_s
         self._rng = rng
@@ -60,6 +62,20 @@ class FlakyTransport:
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
         self._check_up()
         await self._inner.report_outcome(handoff_id, action_id, outcome)
+
+    async def reconcile(
+        self,
+        engine_id: str,
+        *,
+        incarnation: str,
+        session_id: str,
+        held: list[Side],
+        freed: list[Side],
+    ) -> Reconciled:
+        self._check_up()
+        return await self._inner.reconcile(
+            engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
+        )
 
     def _check_up(self) -> None:
         if asyncio.get_running_loop().time() < self._down_until:

@@ -55,9 +55,10 @@ async def simulate(
     """Run ``config`` against the server behind ``client``, drawing progress on ``progress_to``.
 
     ``crasher`` crashes and restarts the coordinator, when the config's
-    faults ask for coordinator crashes (it must be given then). A sharded
-    coordinator gets each engine connected to every shard; the frontend's
-    calls go where ``client`` routes them.
+    faults ask for coordinator crashes (it must be given then). Engines and
+    frontend use ``client`` as the product does: against a sharded
+    coordinator each engine's sidecar links to every shard, and the
+    frontend's calls go where ``client`` routes them.
     Raises ConnectionError when the engines cannot subscribe to the server.
     """
     if config.faults.coordinator_crashes and crasher is None:
@@ -68,15 +69,9 @@ async def simulate(
     book = RequestBook()
     notices = Notices()
     shard_map = await client.shard_map()
-    sharded = len(shard_map.shards) > 1
-    shards = [client.for_shard(name) for name in shard_map.names] if sharded else [client]
-    try:
-        result = await _simulate(client, shards, config, progress_to, crasher, rng, book, notices)
-    finally:
-        if sharded:
-            for shard in shards:
-                await shard.close()
-    if not sharded:
+    shard_count = len(shard_map.shards)
+    result = await _simulate(client, shard_count, config, progress_to, crasher, rng, book, notices)
+    if shard_count == 1:
         return result
     # The shard that answered each start (the client remembers it).
     owners = Counter(client.owner_of(journey.handoff_id) for journey in result.journeys)
@@ -85,7 +80,7 @@ async def simulate(
 
 async def _simulate(
     client: HandoffClient,
-    shards: list[HandoffClient],
+    shard_count: int,
     config: SimConfig,
     progress_to: TextIO | None,
     crasher: CoordinatorCrasher | None,
@@ -94,7 +89,7 @@ async def _simulate(
     notices: Notices,
 ) -> SimResult:
     loop = asyncio.get_running_loop()
-    cluster = Cluster(shards, config, book, notices.notify, rng)
+    cluster = Cluster(client, shard_count, config, book, notices.notify, rng)
     frontend = Frontend(client, cluster, book, notices, config, rng)
     progress = None
     if progress_to is not None:
