@@ -388,42 +388,54 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
                 STAND_IN_SESSION,
             )
 
+    # Each distinct body's call, by its text: outcomes and facts repeat a few
+    # ways across a journal, so each is decoded once (a start names its
+    # handoff, which its text does not: never shared).
+    calls: dict[str, Recorded] = {}
+
     with _quiet("handoff.registry"), _no_cyclic_gc():
-        for record in journal.records():
+        for seq, handoff_id, at, text in journal.rows():
             records += 1
-            clock.replaying(record.at)
-            kind = record.body[0]
-            if kind == RETAINED:
-                completed = decode_retained(record.handoff_id, record.body, endings)
-                stand_in(completed.source_engine_id)
-                stand_in(completed.destination_engine_id)
-                if tracer.on:
-                    _trace_again(tracer, completed)
-                if not registry.restore(Retained(completed)):
-                    skipped += 1
-                continue
-            if kind == FORSAKEN:
-                delivery.forsake(record.handoff_id, Role(record.body[1]), record.body[2])
-                continue
-            if kind == ABANDONED:
-                if isinstance(registry.handoffs.get(record.handoff_id), Entry):
-                    registry.abandon(record.handoff_id)
-                else:
-                    skipped += 1
-                continue
-            call = decode(record.handoff_id, record.body)
+            clock.replaying(at)
+            known = calls.get(text)
+            if known is not None:
+                call = known
+            else:
+                body = json.loads(text)
+                kind = body[0]
+                if kind == RETAINED:
+                    completed = decode_retained(handoff_id, body, endings)
+                    stand_in(completed.source_engine_id)
+                    stand_in(completed.destination_engine_id)
+                    if tracer.on:
+                        _trace_again(tracer, completed)
+                    if not registry.restore(Retained(completed)):
+                        skipped += 1
+                    continue
+                if kind == FORSAKEN:
+                    delivery.forsake(handoff_id, Role(body[1]), body[2])
+                    continue
+                if kind == ABANDONED:
+                    if isinstance(registry.handoffs.get(handoff_id), Entry):
+                        registry.abandon(handoff_id)
+                    else:
+                        skipped += 1
+                    continue
+                call = decode(handoff_id, body)
+                if not isinstance(call, StartRequest):
+                    calls[text] = call
             try:
                 if isinstance(call, StartRequest):
                     stand_in(call.source_engine_id)
                     stand_in(call.destination_engine_id)
                     registry.start(call)
                 elif isinstance(call, tuple):
-                    registry.report_outcome(record.handoff_id, *call)
+                    registry.report_outcome(handoff_id, *call)
                 else:
-                    registry.report_fact(record.handoff_id, call)
+                    registry.report_fact(handoff_id, call)
             except HandoffError as error:
                 skipped += 1
-                log.debug("record %d skipped: %s", record.seq, error.message)
+                log.debug("record %d skipped: %s", seq, error.message)
             # Taken at once, as a live stream would have: whether an engine was
             # reached is part of the state (what is redelivered; who is owed).
             while ready:
