@@ -42,17 +42,18 @@ superlinear replay. The cyclic garbage collector is off during the replay,
 which only adds long-lived objects.
 
 Where a replayed record's time goes (cProfile of 10,000 live + 10,000
-retained): spread over the registry's call path (the core call and its
-checkpoint, routing, delivery queues, timers, lifecycle stamps); JSON
-decoding and the metrics were the largest pieces apart, each under a tenth.
-So the replay runs on metrics that discard what they are told (history is
-not news), as tracing already replays silently and the registry's log is
-quiet; that trims a replay, it does not halve it. The 10 s target for a
-full journal (100,000 unfinished + 100,000 retained) needs checkpoints of
-unfinished handoffs (entries, delivery queues and who was reached, timers)
-instead of their calls. Not done: rebuilding delivery state by hand is what
-this replay exists to avoid getting wrong, and a checkpoint needs its own
-equality proof.
+retained): about two thirds in the registry's call path (the core call and
+its checkpoint, routing, delivery queues, timers, lifecycle stamps). So the
+replay runs on metrics that discard what they are told (history is not
+news), as tracing already replays silently and the registry's log is quiet,
+and each distinct record body is decoded once (outcomes and facts repeat a
+few ways across a journal; a start names its handoff and never repeats):
+decoding was a sixth of a replay. The 10 s target for a full journal
+(100,000 unfinished + 100,000 retained; 11 to 12.5 s of CPU after these
+cuts) needs the unfinished handoffs rebuilt from their end state
+(entries, delivery queues and who was reached, timers) instead of their
+calls. Not done: rebuilding delivery state by hand is what this replay
+exists to avoid getting wrong, and it needs its own equality proof.
 """
 
 from __future__ import annotations
