@@ -19,7 +19,10 @@ In one run:
   `handoff serve --state-dir` does at start: lock, quick_check, replay. Two
   such journals side by side, replayed alternately by this server: one as
   format 1 wrote it (every retained handoff its whole history) and one with
-  format 2's snapshots (a retained handoff one record).
+  format 2's snapshots (a retained handoff one record). With ``--against
+  CHECKOUT`` (another worktree with its own .venv, main's say), one snapshot
+  journal instead, replayed alternately by this checkout's code and that one's,
+  each replay in a fresh process.
 
 Run: .venv/bin/python -m bench.journal [--quick] [--live N --retained N]
 """
@@ -27,10 +30,12 @@ Run: .venv/bin/python -m bench.journal [--quick] [--live N --retained N]
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import platform
 import sqlite3
+import subprocess
 import tempfile
 import time
 import uuid
@@ -242,8 +247,63 @@ def build(state_dir: Path, live: int, retained: int, snapshots: bool) -> int:
     return journal.size_bytes()
 
 
+# One replay as `handoff serve --state-dir` starts, in a fresh process, with
+# whichever checkout's code the interpreter imports; the API both share.
+REPLAY = """
+import json, sys, time
+from pathlib import Path
+from handoff_server.config import Settings
+from handoff_server.journal import Journal
+from handoff_server.metrics import Metrics
+from handoff_server.recovery import ReplayClock, recover
+from handoff_server.registry import Registry
+wall, cpu = time.monotonic(), time.process_time()
+journal = Journal.open(Path(sys.argv[1]))
+opened = time.monotonic() - wall
+clock = ReplayClock(time.time)
+result = recover(journal, Registry(Settings(), Metrics(), clock), clock)
+wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+print(json.dumps([result.records, result.total, result.skipped, wall, cpu, opened]))
+"""
+
+
+def recovery_against(args: argparse.Namespace, state: Path) -> list[str]:
+    """One snapshot journal replayed by this checkout's code and by ``--against``'s,
+    alternately, each replay in a fresh process (imports and all)."""
+    say(f"recovery: writing {args.live:,} live + {args.retained:,} retained (snapshots)")
+    size = build(state / "recovery", args.live, args.retained, True)
+    here = Path(__file__).resolve().parents[1]
+    codes = {here.name: here, args.against.name: args.against}
+    lines = [
+        f"Recovery of {args.live:,} live + {args.retained:,} retained handoffs (one format 2 "
+        f"journal, {size / 2**20:,.1f} MiB), as `handoff serve --state-dir` starts (lock, "
+        "quick_check, replay), by two checkouts' code alternately, each in a fresh process:",
+        "",
+        "| code | round | records | wall s | CPU s | opening s | handoffs back | skipped |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for round_ in range(args.recovery_rounds):
+        for name, checkout in codes.items():
+            say(f"recovery: replaying ({name}), round {round_ + 1}")
+            run = subprocess.run(
+                [checkout / ".venv/bin/python", "-c", REPLAY, state / "recovery"],
+                cwd=checkout,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            records, total, skipped, wall, cpu, opened = json.loads(run.stdout)
+            lines.append(
+                f"| {name} | {round_ + 1} | {records:,} | {wall:.2f} | {cpu:.2f} | "
+                f"{opened:.2f} | {total:,} | {skipped} |"
+            )
+    return lines
+
+
 def recovery(args: argparse.Namespace, state: Path) -> list[str]:
     """Both journals written, then each replayed as the server starts, alternating."""
+    if args.against is not None:
+        return recovery_against(args, state)
     sizes: dict[str, int] = {}
     for way, snapshots in WAYS.items():
         say(f"recovery: writing {args.live:,} live + {args.retained:,} retained ({way})")
@@ -288,6 +348,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--live", type=int, default=100_000, help="live handoffs to recover")
     parser.add_argument("--retained", type=int, default=100_000, help="retained to recover")
     parser.add_argument("--recovery-rounds", type=int, default=2, help="replays of each journal")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        help="recovery: replay one format 2 journal by this checkout and by this other "
+        "one (its .venv), alternately",
+    )
     parser.add_argument("--soak-s", type=float, default=600.0, help="soak duration")
     parser.add_argument("--soak-rate", type=float, default=100.0, help="soak handoffs/s")
     parser.add_argument("--soak-retention-s", type=float, default=30.0, help="soak retention")

@@ -186,10 +186,15 @@ class Journal:
 
     def records(self) -> Iterator[Record]:
         """Every record, oldest first."""
+        for seq, handoff_id, at, body in self.rows():
+            yield Record(seq, handoff_id, at, json.loads(body))
+
+    def rows(self) -> Iterator[tuple[int, str, float, str]]:
+        """Every record as stored, its body still JSON text, oldest first: so a
+        replay decodes each distinct body once (most records repeat a few)."""
         cursor = self._db.execute("SELECT seq, handoff_id, at, body FROM records ORDER BY seq")
         while rows := cursor.fetchmany(READ_BATCH):
-            for seq, handoff_id, at, body in rows:
-                yield Record(seq, handoff_id, at, json.loads(body))
+            yield from rows
 
     def engine_incarnations(self) -> dict[str, str]:
         """Each engine's last incarnation, as last recorded."""
