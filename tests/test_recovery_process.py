@@ -135,6 +135,9 @@ class Engine:
             try:
                 metadata = await stream.initial_metadata()
                 self.headers.append({k: str(v) for k, v in metadata})
+                self.world.subscribed.add(self.engine_id)
+                if len(self.world.subscribed) == len(PREFILLS + DECODES):
+                    self.world.all_subscribed.set()
                 async for action in stream:
                     key = (action.handoff_id, action.id)
                     if action.kind == K.ACTION_KIND_COMPLETE:
@@ -229,6 +232,11 @@ class World:
             )
 
         self.all_parked = asyncio.Event()
+        # Every engine subscribed before any handoff starts: a cancel for a side
+        # whose first action never reached a stream is settled by the server
+        # (NOOP, nothing held), so that handoff would never park.
+        self.subscribed: set[str] = set()
+        self.all_subscribed = asyncio.Event()
         self.notices: Counter[str] = Counter()  # Complete notices, per handoff
         self.noticed = asyncio.Condition()
 
@@ -328,8 +336,19 @@ async def run(
     server = serve(port, state_dir, log)
     try:
         async with engines(port, world) as (stub, fleet):
+            async with asyncio.timeout(60):
+                await world.all_subscribed.wait()
             await asyncio.gather(*(frontend(stub, world, h) for h in world.plans))
-            await world.all_parked.wait()
+            try:
+                async with asyncio.timeout(90):
+                    await world.all_parked.wait()
+            except TimeoutError:
+                unparked = Counter(
+                    p.scenario
+                    for h, p in world.plans.items()
+                    if p.scenario != "retained" and h not in world.ledger.parked
+                )
+                pytest.fail(f"handoffs never reached their parking spot, by scenario: {unparked}")
             for h, plan in world.plans.items():
                 if plan.scenario == "retained":
                     await world.until_complete(h)
