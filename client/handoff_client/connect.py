@@ -42,7 +42,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 import grpc
 
 from handoff.v1 import coordinator_pb2 as pb
-from handoff_client.client import HandoffClient, Side
+from handoff_client.client import HandoffClient
 from handoff_client.convert import action_from_pb, fact_to_pb, outcome_to_pb
 from handoff_client.errors import (
     CallCancelledError,
@@ -52,8 +52,8 @@ from handoff_client.errors import (
     error_for_status,
 )
 from handoff_client.liveness import Liveness
-from handoff_client.model import Action, Fact, Outcome, Reconciled
-from handoff_client.onshard import OnShard
+from handoff_client.model import Action, Fact, Outcome
+from handoff_client.onshard import OnShard, ReconcilesOnShard
 
 # Actions read ahead of the sidecar. Past this the reader stops and leaves the
 # rest to gRPC flow control and the server's queue, as StreamActions does.
@@ -64,7 +64,7 @@ MAX_BUFFERED_ACTIONS = 256
 MAX_REPORTS_PER_MESSAGE = 32
 
 
-class ConnectTransport:
+class ConnectTransport(ReconcilesOnShard):
     """Actions and reports of one engine on one Connect stream at a time.
 
     One transport per :class:`~handoff_client.sidecar.EngineSidecar` link; it
@@ -97,20 +97,6 @@ class ConnectTransport:
             heartbeats=True,
         )
         return self._subscribe(hello, on_subscribed)
-
-    async def reconcile(
-        self,
-        engine_id: str,
-        *,
-        incarnation: str,
-        session_id: str,
-        held: list[Side],
-        freed: list[Side],
-    ) -> Reconciled:
-        client = await self._shard.client()
-        return await client.reconcile(
-            engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
-        )
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))

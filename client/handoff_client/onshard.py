@@ -11,7 +11,8 @@ the routing client to learn the map again soon.
 
 from __future__ import annotations
 
-from handoff_client.client import HandoffClient
+from handoff_client.client import HandoffClient, Side
+from handoff_client.model import Reconciled
 
 
 class OnShard:
@@ -44,3 +45,24 @@ class OnShard:
         """The shard did not answer: it may be back on another address."""
         if self.shard is not None:
             self.routing._router.stale()
+
+
+class ReconcilesOnShard:
+    """Reconcile for a transport that talks to one shard (``_shard``): both
+    built-in transports send it on the same unary call, to that shard alone."""
+
+    _shard: OnShard
+
+    async def reconcile(
+        self,
+        engine_id: str,
+        *,
+        incarnation: str,
+        session_id: str,
+        held: list[Side],
+        freed: list[Side],
+    ) -> Reconciled:
+        client = await self._shard.client()
+        return await client.reconcile(
+            engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
+        )

@@ -24,7 +24,7 @@ from handoff_client.connect import ConnectTransport
 from handoff_client.errors import HandoffRpcError
 from handoff_client.liveness import Liveness
 from handoff_client.model import Action, Fact, Outcome, Reconciled
-from handoff_client.onshard import OnShard
+from handoff_client.onshard import OnShard, ReconcilesOnShard
 
 # What EngineSidecar(transport=...), `handoff sim` and `handoff demo` accept.
 TransportKind = Literal["connect", "unary"]
@@ -72,7 +72,7 @@ class LeasedTransport(SidecarTransport, Protocol):
     ) -> Reconciled: ...
 
 
-class UnaryTransport:
+class UnaryTransport(ReconcilesOnShard):
     """StreamActions for actions, one unary call per report; all at ``shard`` if given."""
 
     def __init__(self, client: HandoffClient, shard: str | None = None) -> None:
@@ -111,20 +111,6 @@ class UnaryTransport:
             except HandoffRpcError:
                 self._shard.unreachable()
                 raise
-
-    async def reconcile(
-        self,
-        engine_id: str,
-        *,
-        incarnation: str,
-        session_id: str,
-        held: list[Side],
-        freed: list[Side],
-    ) -> Reconciled:
-        client = await self._shard.client()
-        return await client.reconcile(
-            engine_id, incarnation=incarnation, session_id=session_id, held=held, freed=freed
-        )
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
         client = await self._shard.client()
