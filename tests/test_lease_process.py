@@ -120,6 +120,9 @@ async def leases_fire(world: Fleet, held: list[str], killed_at: float) -> None:
     # handlers' time: well before the server's own delivery timeout would end.
     latest = max(engine.freed_at[side] for engine, side in sides)
     assert latest - killed_at < DELIVERY_TIMEOUT_S
+    # A lease counts what it freed once its last cancel handler has returned,
+    # a moment after that handler recorded the free.
+    await until(lambda: min(world.p.stats.freed_on_lease, world.d.stats.freed_on_lease) >= HELD)
     assert world.p.stats.freed_on_lease == world.d.stats.freed_on_lease == HELD
 
 
