@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from handoff_server import convert
@@ -27,6 +27,7 @@ from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.journal import DATABASE, Journal
 from handoff_server.metrics import Metrics
 from handoff_server.model import (
+    ALLOWED_OUTCOMES,
     ActionKind,
     Canceled,
     Completion,
@@ -76,6 +77,12 @@ FACTS: list[Fact] = [
     EngineLost(Side.SOURCE),
     EngineLost(Side.DESTINATION),
 ]
+NATURAL_FACTS: list[Fact] = [
+    SourceHeld(TIMINGS[0]),
+    DestinationReserved(700),
+    TransferCompleted(),
+    Canceled(),
+]
 OUTCOMES = [Outcome(kind) for kind in OutcomeKind if kind is not OutcomeKind.FAILED] + [
     Outcome(OutcomeKind.FAILED, "engine said no")
 ]
@@ -101,9 +108,13 @@ class World:
         self.registry.recorder = JournalRecorder(self.journal)
         self.streams: dict[str, Subscription] = {}
 
-    def step(self, data: st.DataObject) -> None:
+    def step(self, data: st.DataObject, natural: bool = False) -> None:
+        """One random call, or (``natural``) mostly what an engine would do next."""
         r = self.registry
-        op = data.draw(st.sampled_from(["start", "fact", "outcome", "stream", "time", "take"]))
+        ops = ["start", "fact", "outcome", "natural", "stream", "time", "take"]
+        if natural:
+            ops = ["start", *["natural"] * 6, "stream", "take", "time"]
+        op = data.draw(st.sampled_from(ops))
         try:
             if op == "start":
                 source, destination = (
@@ -112,7 +123,7 @@ class World:
                 )
                 r.start(
                     StartRequest(
-                        data.draw(st.sampled_from(IDS)),
+                        data.draw(st.sampled_from(IDS[:4] if natural else IDS)),
                         data.draw(st.sampled_from(list(Order))),
                         source,
                         destination,
@@ -132,6 +143,19 @@ class World:
                 )
                 action_id = data.draw(st.sampled_from([*outstanding, 0, 7]))
                 r.report_outcome(handoff_id, action_id, data.draw(st.sampled_from(OUTCOMES)))
+            elif op == "natural":
+                # What an engine would report next, so handoffs get far along.
+                handoff_id = data.draw(st.sampled_from(IDS[:3]))
+                entry = r.handoffs.get(handoff_id)
+                owed = list(entry.core.outstanding) if isinstance(entry, Entry) else []
+                answering = data.draw(st.booleans())
+                if owed and answering:
+                    action = data.draw(st.sampled_from(owed))
+                    allowed = sorted(ALLOWED_OUTCOMES[action.kind], key=lambda k: k.value)
+                    kind = data.draw(st.sampled_from(allowed)) if allowed else OutcomeKind.NOOP
+                    r.report_outcome(handoff_id, action.id, Outcome(kind))
+                else:
+                    r.report_fact(handoff_id, data.draw(st.sampled_from(NATURAL_FACTS)))
             elif op == "stream":
                 engine = data.draw(st.sampled_from(ENGINES))
                 if engine in self.streams:
@@ -146,7 +170,8 @@ class World:
                 for stream in self.streams.values():
                     r.delivery.take(stream)
             else:
-                self.clock.now += data.draw(st.sampled_from([0.5, 2.0, 9.0, 16.0, 40.0]))
+                steps = [0.5, 2.0, 9.0] if natural else [0.5, 2.0, 9.0, 16.0, 40.0]
+                self.clock.now += data.draw(st.sampled_from(steps))
                 r.fire_due()
         except HandoffError:
             pass  # refused calls change nothing and are not journaled
@@ -400,3 +425,204 @@ def test_a_cleanup_timeout_that_ran_out_while_down_does_not_abandon_at_recovery(
     assert isinstance(done, Retained)  # complete; an abandoned one stays an Entry
     assert done.core.completion is Completion.CANCELED
     second.journal.close_now()
+
+
+def internals(registry: Registry) -> dict[str, Any]:
+    """Everything recovery builds, down to the delivery channels and live timers.
+
+    White-box on purpose: it compares the two ways of recovering (rebuilt
+    through the core, replayed through the registry), whose whole point is
+    to leave the same private state behind.
+    """
+    delivery = registry.delivery
+    channels = {}
+    for engine_id, channel in delivery._channels.items():
+        by_issue = sorted(channel.unacked.values(), key=lambda d: d.sequence)
+        channels[engine_id] = (
+            [(d.handoff_id, d.action, d.target, d.engine_id, d.attempt) for d in by_issue],
+            list(channel.queue),
+            sorted(channel.handoffs),
+            {h: sorted(role.value for role in roles) for h, roles in channel.reached.items()},
+            channel.incarnation,
+            channel.subscription is None,
+            channel.offline_since,
+        )
+    timers = {
+        (
+            t.when,
+            t.kind.value,
+            t.key,
+            t.token if t.kind.value == "deadline" else None,
+            t.token[1] if t.kind.value == "redeliver" else None,  # type: ignore[index]
+        )
+        for t in registry._timers._heap
+        if registry._timer_is_live(t)
+    }
+    entries = {}
+    for handoff_id, entry in registry.handoffs.items():
+        if isinstance(entry, Entry):
+            entries[handoff_id] = (
+                entry.source_engine_id,
+                entry.destination_engine_id,
+                entry.transfer_executor,
+                entry.timeout_s,
+                entry.started_at,
+                entry.deadline,
+                entry.completed_at,
+                entry.abandoned_at,
+                list(entry.lifecycle_at),
+                sorted(entry.routed.items()),
+                entry.held_at,
+                entry.redelivery_round,
+                entry.cleanup_epoch > 0,
+                entry.trace_context,
+            )
+    retained = [
+        r.handoff_id
+        for r in registry.retention._records
+        if registry.handoffs.get(r.handoff_id) is r
+    ]
+    return {
+        "state": state(registry),
+        "entries": entries,
+        "channels": channels,
+        "timers": timers,
+        "retained": retained,
+        "active": registry.active_count,
+    }
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(st.data())
+def test_rebuilding_through_the_core_recovers_what_replaying_every_call_does(
+    data: st.DataObject,
+) -> None:
+    """The fast path (rebuild.py) against the registry's own call path, on
+    one journal: the same handoffs, delivery channels, timers and retention."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state_dir = Path(tmp)
+        clock = FakeClock()
+        first = World(state_dir, clock)
+        natural = data.draw(st.booleans())
+        for _ in range(data.draw(st.integers(1, 80))):
+            first.step(data, natural)
+            if data.draw(st.booleans()):
+                first.journal.commit_now()
+        first.journal.commit_now()
+        first.journal.close_now()
+        recovered = {}
+        for rebuilding in (False, True):
+            journal = Journal.open(state_dir)
+            later = FakeClock()
+            later.now = clock.now + 5.0
+            replay_clock = ReplayClock(later)
+            registry = Registry(SETTINGS, Metrics(), replay_clock)
+            recovery = recover(journal, registry, replay_clock, rebuilding)
+            journal.close_now()
+            recovered[rebuilding] = (internals(registry), recovery.skipped, recovery.total)
+            if rebuilding:
+                event(f"rebuilt {min(recovery.rebuilt, 3)}+")
+        assert recovered[True] == recovered[False]
+
+
+def test_rebuilding_recovers_every_kind_of_unfinished_handoff(tmp_path: Path) -> None:
+    """One journal with an unfinished handoff at each point the rebuild must
+    follow (a moved deadline, a decode activated, a source canceled, a lost decode,
+    a side settled unsent, an abandonment it gives back, both orders, either
+    executor): both ways of recovering leave the same state behind."""
+    clock = FakeClock()
+    world = World(tmp_path, clock)
+    r = world.registry
+    streams = [r.subscribe(engine, lambda: None) for engine in ("prefill-a", "decode-a")]
+
+    def take() -> None:
+        for stream in streams:
+            r.delivery.take(stream)
+
+    def start(handoff_id: str, order: Order = Order.SOURCE_FIRST, **options: Any) -> None:
+        decode = options.pop("decode", "decode-a")
+        delay = options.pop("fallback_transfer_delay_ms", 0.0)
+        r.start(
+            StartRequest(handoff_id, order, "prefill-a", decode, delay, timeout_s=3600, **options)
+        )
+        take()
+
+    def ack(handoff_id: str, kind: ActionKind, outcome: OutcomeKind) -> None:
+        entry = r.get(handoff_id)
+        assert isinstance(entry, Entry)
+        (action,) = [a for a in entry.core.outstanding if a.kind is kind]
+        r.report_outcome(handoff_id, action.id, Outcome(outcome))
+        take()
+
+    def fact(handoff_id: str, fact: Fact) -> None:
+        r.report_fact(handoff_id, fact)
+        take()
+
+    def held(handoff_id: str, **options: Any) -> None:
+        start(handoff_id, **options)
+        ack(handoff_id, ActionKind.SUBMIT_PREFILL, OutcomeKind.SUBMITTED)
+        fact(handoff_id, SourceHeld(TIMINGS[0]))
+
+    def scheduled(handoff_id: str, **options: Any) -> None:
+        held(handoff_id, **options)
+        ack(handoff_id, ActionKind.RESERVE_DESTINATION, OutcomeKind.ACCEPTED)
+        fact(handoff_id, DestinationReserved(700))
+        ack(handoff_id, ActionKind.START_TRANSFER, OutcomeKind.SCHEDULED)
+
+    start("abandoned")
+    fact("abandoned", Canceled())
+    clock.now += SETTINGS.cleanup_timeout_s + 1.0
+    r.fire_due()
+    start("started")
+    start("destination-first", Order.DESTINATION_FIRST)
+    ack("destination-first", ActionKind.RESERVE_DESTINATION, OutcomeKind.ACCEPTED)
+    scheduled("scheduled", fallback_transfer_delay_ms=250.0)
+    scheduled("pulled", fallback_transfer_delay_ms=50.0, transfer_executor=Role.DESTINATION)
+    scheduled("activated")
+    fact("activated", TransferCompleted())
+    ack("activated", ActionKind.ACTIVATE_DESTINATION, OutcomeKind.APPLIED)
+    held("canceled")
+    ack("canceled", ActionKind.RESERVE_DESTINATION, OutcomeKind.ACCEPTED)
+    fact("canceled", Canceled())
+    ack("canceled", ActionKind.CANCEL_SOURCE, OutcomeKind.APPLIED)
+    held("decode-lost")
+    fact("decode-lost", EngineLost(Side.DESTINATION))
+    held("settled", decode="decode-b")  # decode-b has no stream: its reservation waits
+    fact("settled", Canceled())
+    world.journal.commit_now()
+    world.journal.close_now()
+
+    expected = {
+        "started": (Phase.ACTIVE, None),
+        "destination-first": (Phase.ACTIVE, None),
+        "scheduled": (Phase.ACTIVE, ActionKind.START_TRANSFER),
+        "pulled": (Phase.ACTIVE, ActionKind.START_TRANSFER),
+        "activated": (Phase.ACTIVE, ActionKind.ACTIVATE_DESTINATION),
+        "canceled": (Phase.CLEANING_UP, ActionKind.CANCEL_SOURCE),
+        "decode-lost": (Phase.CLEANING_UP, None),
+        "settled": (Phase.CLEANING_UP, None),
+        "abandoned": (Phase.CLEANING_UP, None),
+    }
+    recovered = {}
+    for rebuilding in (False, True):
+        journal = Journal.open(tmp_path)
+        replay_clock = ReplayClock(clock)
+        registry = Registry(SETTINGS, Metrics(), replay_clock)
+        recovery = recover(journal, registry, replay_clock, rebuilding)
+        journal.close_now()
+        recovered[rebuilding] = internals(registry)
+        assert recovery.skipped == 0
+        for handoff_id, (phase, acknowledged) in expected.items():
+            entry = registry.get(handoff_id)
+            assert entry.core.phase is phase, handoff_id
+            if acknowledged is not None:
+                assert acknowledged not in {kind for _, kind, _ in entry.routed.values()}
+        if rebuilding:
+            assert recovery.rebuilt == len(expected) - 1  # the abandoned one is given back
+    assert recovered[True] == recovered[False]
+    deadlines = recovered[True]["entries"]
+    assert deadlines["scheduled"][5] > deadlines["started"][5]  # the transfer moved it

@@ -30,7 +30,8 @@ The service, on grpc.aio:
 - ``logs``: structured log lines (text or JSON) carrying handoff and engine ids.
 - ``journal``: accepted calls kept in SQLite, and the durability barrier the
   servicer awaits before it writes; ``recovery``: what a journal record means,
-  and replaying a journal into a registry on start.
+  and replaying a journal into a registry on start; ``rebuild``: an unfinished
+  handoff rebuilt from its records through the core alone, for recovery.
 - ``config``: the settings, each a flag and a HANDOFF_* variable.
 - ``shards``: this process's shard (name, ordinal, the placing shards), the
   refusal of a start another shard owns, and the shard map it serves.

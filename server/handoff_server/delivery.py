@@ -374,6 +374,30 @@ class Delivery:
                 del channel.unacked[key]
                 channel.queue.pop(key, None)
 
+    def adopt(
+        self,
+        handoff_id: str,
+        engines: Iterable[str],
+        written: Iterable[Dispatch],
+        reached: Iterable[tuple[str, Role]],
+    ) -> None:
+        """Tie an unfinished handoff rebuilt from the journal to its engines
+        (recovery): ``written`` are its outstanding actions as they stood, each
+        written to its engine's stream and unacknowledged; ``reached`` the
+        (engine, role) pairs any of its actions reached."""
+        self.engage(handoff_id, engines)
+        for dispatch in written:
+            channel = self._channels[dispatch.engine_id]
+            channel.unacked[(handoff_id, dispatch.action.id)] = dispatch
+        for engine_id, role in reached:
+            self._channels[engine_id].reached.setdefault(handoff_id, set()).add(role)
+
+    def number_from(self, sequence: int) -> None:
+        """Number the dispatches sent from now on from ``sequence`` up. Recovery
+        numbers them by journal record, so what it replays and what it rebuilds
+        keep one issue order per engine."""
+        self._sequence = itertools.count(sequence)
+
     def redeliver(self, handoff_id: str, action_id: int, engines: Iterable[str]) -> None:
         """Send an action again to each engine it was written to and not yet re-queued."""
         key = (handoff_id, action_id)

@@ -168,6 +168,28 @@ class Retained:
         )
         self._times = array("d", times).tobytes()
 
+    @classmethod
+    def restored(
+        cls,
+        core: Completed,
+        source_engine_id: str,
+        destination_engine_id: str,
+        transfer_executor: Role,
+        trace_context: tuple[tuple[str, str], ...],
+        times: list[float],
+    ) -> Retained:
+        """One as a journal snapshot kept it (recovery): ``times`` are its start,
+        deadline, completion, timeout and lifecycle times, in that order."""
+        retained = cls.__new__(cls)
+        retained.core = core
+        retained.source_engine_id = source_engine_id
+        retained.destination_engine_id = destination_engine_id
+        retained.transfer_executor = transfer_executor
+        retained.trace = None
+        retained.trace_context = trace_context
+        retained._times = array("d", times).tobytes()
+        return retained
+
     @property
     def handoff_id(self) -> str:
         return self.core.handoff_id

@@ -36,12 +36,18 @@ _ENDINGS: dict[Ending, Ending] = {}  # each distinct ending once, shared by all 
 def pack(core: Handoff) -> Completed:
     """This completed handoff in a few words, for as long as it is retained."""
     assert core.phase is Phase.COMPLETE, "only a completed handoff is packed"
-    completion = core.completion
-    assert completion is not None
-    ending = Ending(core.order, completion, core.lifecycle, core.checkpoint())
     return Completed(
-        core.handoff_id, core.fallback_transfer_delay_ms, _ENDINGS.setdefault(ending, ending)
+        core.handoff_id, core.fallback_transfer_delay_ms, ending(core.order, core.checkpoint())
     )
+
+
+def ending(order: Order, state: Checkpoint) -> Ending:
+    """The shared Ending of a completed core of ``order`` whose checkpoint is ``state``."""
+    phase, completion, lifecycle, *_ = state
+    assert phase is Phase.COMPLETE, "only a completed core ends"
+    assert completion is not None, "a completed core has its completion"
+    made = Ending(order, completion, lifecycle, state)
+    return _ENDINGS.setdefault(made, made)
 
 
 class Completed:

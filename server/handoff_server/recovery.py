@@ -3,9 +3,10 @@
 The journal (journal.py) stores; this module says what is stored. The
 registry hands each accepted call to a :class:`JournalRecorder` (its
 ``recorder``), which encodes it as a small JSON list. On start, :func:`recover`
-replays every record through the registry itself, with the server's clock
-reading each record's time, so deadlines, lifecycle times, retention and
-cleanup timers come back as they were; nothing is reconstructed by hand.
+replays the records in order, with the server's clock reading each record's
+time, so deadlines, lifecycle times, retention and cleanup timers come back
+as they were: through the registry itself, except for the two kinds of
+handoff below that come back whole.
 
 While replaying, each engine named by a handoff has a stand-in stream that
 takes every action as it is issued: so every issued action counts as
@@ -30,31 +31,36 @@ history in the same commit, and recovery puts it straight back into
 retention. Why: a retained handoff was most of a full journal's records
 (nine of the thirteen of a live and a retained one) and of its replay, and
 nothing about it can change but a reopen, which replays from the restored
-record like any later call. Live handoffs still replay their few records
-through the registry: rebuilding their delivery state (queues, who was
-reached, timers) by hand is what the replay exists to avoid getting wrong.
-A format 1 journal has no snapshots and replays as it always did.
+record like any later call. A format 1 journal has no snapshots and replays
+as it always did.
 
-Replay CPU time is linear in the records (35 to 45 µs each from 20,000 to
-200,000 handoffs, bench/RESULTS.md): the full journal that once took 118 s
-against 10.5 s for a fifth of it was wall time on a loaded machine, not a
-superlinear replay. The cyclic garbage collector is off during the replay,
-which only adds long-lived objects.
+An unfinished handoff started in the journal is the other exception: its
+records run through the pure core alone and the registry adopts the end
+state once (rebuild.py), instead of each record running the registry's
+whole call path (checkpoint, routing, delivery queues, a stand-in stream
+taking each action, timers, metrics) for state the next record overwrites.
+That path was two thirds of a replay. The rebuild follows the call path's
+bookkeeping only where it stays within the one handoff, and gives the
+handoff back to the registry's replay where it does not (the server
+settling a cleanup, an abandonment, a completion); with tracing on every
+record replays through the registry, which builds the spans. Equality is
+the proof: tests/test_recovery.py recovers random journals both ways and
+compares every handoff, delivery channel, live timer and the retention
+order, and recovers a journal with every kind of unfinished handoff both
+ways. Delivery numbers every dispatch by its journal record
+(rebuild.numbered), so what is rebuilt and what is replayed keep one issue
+order per engine.
 
-Where a replayed record's time goes (cProfile of 10,000 live + 10,000
-retained): about two thirds in the registry's call path (the core call and
-its checkpoint, routing, delivery queues, timers, lifecycle stamps). So the
-replay runs on metrics that discard what they are told (history is not
-news), as tracing already replays silently and the registry's log is quiet,
-and each distinct record body is decoded once (outcomes and facts repeat a
-few ways across a journal; a start names its handoff and never repeats):
-decoding was a sixth of a replay. The 10 s target for a full journal
-(100,000 unfinished + 100,000 retained; 11 to 18 s of CPU after these
-cuts, 6 to 23 % less than before the decoding one) needs the unfinished
-handoffs rebuilt from their end state (entries, delivery queues and who
-was reached, timers) instead of their calls. Not done: rebuilding delivery
-state by hand is what this replay exists to avoid getting wrong, and it
-needs its own equality proof.
+Replay CPU time is linear in the records. Measured (bench/RESULTS.md): a
+journal of 100,000 unfinished + 100,000 retained handoffs (500,000 records)
+recovers in about 6.6 s of CPU, against 10.7 to 11.7 s replaying every
+record through the registry, in one run. Other cuts that stay: the cyclic
+garbage collector is off during the replay (which only adds long-lived
+objects), metrics discard what they are told (history is not news), the
+registry's log is quiet, each distinct record body is decoded once (outcomes
+and facts repeat a few ways across a journal; a start names its handoff and
+never repeats), and a retained record is restored straight into its packed
+form, its ending shared with every handoff that ended alike.
 """
 
 from __future__ import annotations
@@ -63,15 +69,16 @@ import contextlib
 import gc
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from handoff_server import packing
 from handoff_server.core import (
     Checkpoint,
     DestinationStage,
-    Handoff,
     Settlement,
     SourceStage,
     TransferStage,
@@ -100,6 +107,8 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_server.packing import Completed, Ending
+from handoff_server.rebuild import Rebuild, Row, numbered
 from handoff_server.registry import Recorded, Registry
 from handoff_server.tracing import Tracing
 
@@ -110,6 +119,7 @@ STAND_IN_SESSION = "journal-recovery"
 ABANDONED = "abandoned"  # a record of its own: the cleanup timer's doing, not a call's
 RETAINED = "retained"  # a completed handoff whole: it replaced the handoff's history
 FORSAKEN = "forsaken"  # a side's actions that never reached its engine, owed no more
+OWN_RECORDS = frozenset({RETAINED, FORSAKEN, ABANDONED})  # the server's doing, not a call's
 SIMPLE_FACTS: dict[str, Fact] = {
     "transfer_completed": TransferCompleted(),
     "failed": Failed(),
@@ -200,36 +210,28 @@ def encode_retained(retained: Retained) -> list[object]:
     ]
 
 
-def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Checkpoint]) -> Entry:
-    """The completed Entry a ``retained`` record was written from.
+def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]) -> Retained:
+    """The retained handoff a ``retained`` record was written from.
 
-    ``endings`` caches each distinct ending's checkpoint by its text: a
-    hundred thousand retained handoffs end in a few dozen ways, and building
-    the enums again for each was a third of restoring one.
+    ``endings`` caches each distinct ending by its text: a hundred thousand
+    retained handoffs end in a few dozen ways, and building the enums again
+    for each was a third of restoring one.
     """
-    (
-        _,
-        order,
-        source_id,
-        destination_id,
-        fallback,
-        executor,
-        trace,
-        (started_at, deadline, completed_at, timeout_s),
-        lifecycle_at,
-        *ending,
-    ) = body
-    key = json.dumps(ending)
-    checkpoint = endings.get(key)
-    if checkpoint is None:
-        checkpoint = endings[key] = _ending(*ending)
-    core = Handoff(handoff_id, Order(order), fallback)
-    core.restore(checkpoint)
-    entry = Entry(core, source_id, destination_id, Role(executor), timeout_s, started_at, deadline)
-    entry.completed_at = completed_at
-    entry.lifecycle_at = list(lifecycle_at)
-    entry.trace_context = tuple((name, value) for name, value in trace)
-    return entry
+    (_, order, source_id, destination_id, fallback, executor, trace, times, lifecycle_at, *end) = (
+        body
+    )
+    key = f"{order} {end!r}"
+    shared = endings.get(key)
+    if shared is None:
+        shared = endings[key] = packing.ending(Order(order), _ending(*end))
+    return Retained.restored(
+        Completed(handoff_id, fallback, shared),
+        sys.intern(source_id),
+        sys.intern(destination_id),
+        Role(executor),
+        tuple((name, value) for name, value in trace),
+        times + lifecycle_at,
+    )
 
 
 def _ending(
@@ -351,103 +353,43 @@ class Recovery:
     skipped: int  # records the registry no longer accepted (see recover)
     seconds: float
     engine_incarnations: dict[str, str]
+    rebuilt: int = 0  # unfinished handoffs rebuilt through the core alone (rebuild.py)
 
     @property
     def total(self) -> int:
         return sum(self.handoffs.values()) + self.abandoned
 
 
-def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recovery:
+def recover(
+    journal: Journal, registry: Registry, clock: ReplayClock, rebuilding: bool = True
+) -> Recovery:
     """Replay ``journal`` into ``registry`` (new, built on ``clock``); then it serves.
 
     A record is skipped, never fatal, if the registry refuses it: the live
     registry read its clock a few microseconds apart within one call, the
     replay reads one time per record, and a retained handoff whose expiry
     fell in between expires a call earlier. Skips are counted and logged.
+    ``rebuilding`` off replays every unfinished handoff through the registry
+    (tests compare the two; tracing always does, its spans are built there).
     """
     began = time.monotonic()
     assert registry.recorder is None, "replay must not journal what it replays"
     live_metrics, registry.metrics = registry.metrics, discarding()  # history is not news
     delivery = registry.delivery
     delivery.metrics = registry.metrics
-    streams: dict[str, Subscription] = {}
-    ready: set[str] = set()
-    records = skipped = 0
     incarnations = journal.engine_incarnations()
-    endings: dict[str, Checkpoint] = {}
     tracer = registry.tracer
     if tracer.on:
         tracer.replaying = True  # history is not news to the trace collector either
-
-    def stand_in(engine_id: str) -> None:
-        # Under the engine's last incarnation: the engine that comes back
-        # under it reconnects; one under a newer one restarted, and is lost.
-        if engine_id not in streams:
-            streams[engine_id] = registry.subscribe(
-                engine_id,
-                lambda: ready.add(engine_id),
-                incarnations.get(engine_id, ""),
-                STAND_IN_SESSION,
-            )
-
-    # Each distinct body's call, by its text: outcomes and facts repeat a few
-    # ways across a journal, so each is decoded once (a start names its
-    # handoff, which its text does not: never shared).
-    calls: dict[str, Recorded] = {}
-
+    replay = Replay(registry, clock, incarnations, rebuilding and not tracer.on)
     with _quiet("handoff.registry"), _no_cyclic_gc():
-        for seq, handoff_id, at, text in journal.rows():
-            records += 1
-            clock.replaying(at)
-            known = calls.get(text)
-            if known is not None:
-                call = known
-            else:
-                body = json.loads(text)
-                kind = body[0]
-                if kind == RETAINED:
-                    completed = decode_retained(handoff_id, body, endings)
-                    stand_in(completed.source_engine_id)
-                    stand_in(completed.destination_engine_id)
-                    if tracer.on:
-                        _trace_again(tracer, completed)
-                    if not registry.restore(Retained(completed)):
-                        skipped += 1
-                    continue
-                if kind == FORSAKEN:
-                    delivery.forsake(handoff_id, Role(body[1]), body[2])
-                    continue
-                if kind == ABANDONED:
-                    if isinstance(registry.handoffs.get(handoff_id), Entry):
-                        registry.abandon(handoff_id)
-                    else:
-                        skipped += 1
-                    continue
-                call = decode(handoff_id, body)
-                if not isinstance(call, StartRequest):
-                    calls[text] = call
-            try:
-                if isinstance(call, StartRequest):
-                    stand_in(call.source_engine_id)
-                    stand_in(call.destination_engine_id)
-                    registry.start(call)
-                elif isinstance(call, tuple):
-                    registry.report_outcome(handoff_id, *call)
-                else:
-                    registry.report_fact(handoff_id, call)
-            except HandoffError as error:
-                skipped += 1
-                log.debug("record %d skipped: %s", seq, error.message)
-            # Taken at once, as a live stream would have: whether an engine was
-            # reached is part of the state (what is redelivered; who is owed).
-            while ready:
-                delivery.take(streams[ready.pop()], TAKE_ALL)
+        for row in journal.rows():
+            replay.row(row)
+        replay.finish()
         clock.resume()
         if tracer.on:
             tracer.replaying = False
-        for stream in streams.values():
-            delivery.take(stream, TAKE_ALL)
-            delivery.unsubscribe(stream)
+        replay.end_stand_ins()
         # An engine has the delivery timeout from now to come back, and a
         # redelivery round to report its cleanup, before a cleanup timeout
         # that ran out while the server was down abandons what it owes.
@@ -465,7 +407,15 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
             phases[entry.core.phase] += 1
     for phase, count in phases.items():
         live_metrics.handoffs_by[phase].set(count)
-    recovery = Recovery(phases, abandoned, records, skipped, time.monotonic() - began, incarnations)
+    recovery = Recovery(
+        phases,
+        abandoned,
+        replay.records,
+        replay.skipped,
+        time.monotonic() - began,
+        incarnations,
+        replay.rebuilt,
+    )
     live_metrics.recovered_handoffs.set(recovery.total)
     live_metrics.recovery_seconds.set(recovery.seconds)
     log.info(
@@ -476,15 +426,184 @@ def recover(journal: Journal, registry: Registry, clock: ReplayClock) -> Recover
         phases[Phase.CLEANING_UP],
         phases[Phase.COMPLETE],
         abandoned,
-        records,
+        recovery.records,
         recovery.seconds,
     )
-    if skipped:
-        log.warning("%d journal records no longer applied and were skipped", skipped)
+    if replay.skipped:
+        log.warning("%d journal records no longer applied and were skipped", replay.skipped)
     return recovery
 
 
-def _trace_again(tracer: Tracing, entry: Entry) -> None:
+Decoded = Recorded | list[Any]  # a call, or the body of one of the server's own records
+
+
+class Replay:
+    """One journal's rows, in order, into a registry (see the module doc).
+
+    An unfinished handoff whose first record is its start is rebuilt through
+    the core alone (rebuild.py) and adopted by the registry at the end, in the
+    order of the starts; everything else replays through the registry as it
+    comes. A handoff the rebuild gives back replays its records so far through
+    the registry at once, and from then on as they come.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        clock: ReplayClock,
+        incarnations: dict[str, str],
+        rebuilding: bool,
+    ) -> None:
+        self.registry = registry
+        self.clock = clock
+        self.incarnations = incarnations
+        self.rebuilding = rebuilding
+        self.records = self.skipped = self.rebuilt = 0
+        self.last_seq = 0
+        self.streams: dict[str, Subscription] = {}
+        self.ready: set[str] = set()
+        self.rebuilds: dict[str, Rebuild] = {}
+        # Each distinct body's call, by its text: outcomes and facts repeat a
+        # few ways across a journal, so each is decoded once (a start names
+        # its handoff, which its text does not: never shared).
+        self.calls: dict[str, Recorded] = {}
+        self.endings: dict[str, Ending] = {}
+
+    def row(self, row: Row) -> None:
+        seq, handoff_id, at, text = row
+        self.records += 1
+        self.last_seq = seq
+        rebuild = self.rebuilds.get(handoff_id)
+        if rebuild is not None:
+            self._rebuild(rebuild, row)
+            return
+        call = self._decoded(handoff_id, text)
+        if self.rebuilding and isinstance(call, StartRequest):
+            registry = self.registry
+            registry.retention.expire(at)  # as the registry's start does first
+            if handoff_id not in registry.handoffs:
+                self._stand_in(call.source_engine_id)
+                self._stand_in(call.destination_engine_id)
+                settings = registry.settings
+                timeout = settings.default_timeout_s if call.timeout_s is None else call.timeout_s
+                self.rebuilds[handoff_id] = Rebuild(call, timeout, row)
+                return
+        self._replay(row, call)
+
+    def finish(self) -> None:
+        """Adopt the rebuilt handoffs, in the order they started."""
+        for rebuild in self.rebuilds.values():
+            self.registry.adopt(
+                rebuild.entry, rebuild.written, rebuild.reached, rebuild.cleaning_since
+            )
+            self.skipped += rebuild.skipped
+        self.rebuilt = len(self.rebuilds)
+        self.rebuilds.clear()
+        self.registry.delivery.number_from(numbered(self.last_seq + 1))
+
+    def end_stand_ins(self) -> None:
+        """The stand-in streams end: each engine is offline from now on, as
+        after any disconnect, with everything it was sent outstanding."""
+        delivery = self.registry.delivery
+        for stream in self.streams.values():
+            delivery.take(stream, TAKE_ALL)
+            delivery.unsubscribe(stream)
+
+    def _rebuild(self, rebuild: Rebuild, row: Row) -> None:
+        rebuild.rows.append(row)
+        seq, handoff_id, at, text = row
+        call = self._decoded(handoff_id, text)
+        if isinstance(call, tuple):
+            rebuild.outcome(seq, at, *call)
+        elif isinstance(call, list):
+            if call[0] == FORSAKEN:
+                rebuild.forsake(Role(call[1]), call[2])
+            else:
+                rebuild.needs_registry = f"a record of its own: {call[0]}"
+        elif isinstance(call, StartRequest):
+            rebuild.needs_registry = "a second start"
+        else:
+            rebuild.fact(seq, at, call)
+        if rebuild.needs_registry is not None:
+            # Given back at once: from this record on (the one that needs the
+            # registry included) the handoff replays in journal order, so what
+            # it does beyond itself (retention, above all) happens in order.
+            log.debug(
+                "replayed through the registry: %s",
+                rebuild.needs_registry,
+                extra={"handoff_id": handoff_id},
+            )
+            del self.rebuilds[handoff_id]
+            for earlier in rebuild.rows:
+                self._replay(earlier, self._decoded(handoff_id, earlier[3]))
+
+    def _replay(self, row: Row, call: Decoded) -> None:
+        """One record through the registry's own call path."""
+        seq, handoff_id, at, _ = row
+        registry = self.registry
+        self.clock.replaying(at)
+        if isinstance(call, list):
+            kind = call[0]
+            if kind == RETAINED:
+                retained = decode_retained(handoff_id, call, self.endings)
+                self._stand_in(retained.source_engine_id)
+                self._stand_in(retained.destination_engine_id)
+                if registry.tracer.on:
+                    retained.trace = _trace_again(registry.tracer, retained.unpack())
+                if not registry.restore(retained):
+                    self.skipped += 1
+            elif kind == FORSAKEN:
+                registry.delivery.forsake(handoff_id, Role(call[1]), call[2])
+            elif isinstance(registry.handoffs.get(handoff_id), Entry):
+                registry.abandon(handoff_id)  # ABANDONED
+            else:
+                self.skipped += 1
+            return
+        registry.delivery.number_from(numbered(seq))
+        try:
+            if isinstance(call, StartRequest):
+                self._stand_in(call.source_engine_id)
+                self._stand_in(call.destination_engine_id)
+                registry.start(call)
+            elif isinstance(call, tuple):
+                registry.report_outcome(handoff_id, *call)
+            else:
+                registry.report_fact(handoff_id, call)
+        except HandoffError as error:
+            self.skipped += 1
+            log.debug("record %d skipped: %s", seq, error.message)
+        # Taken at once, as a live stream would have: whether an engine was
+        # reached is part of the state (what is redelivered; who is owed).
+        ready, streams, delivery = self.ready, self.streams, registry.delivery
+        while ready:
+            delivery.take(streams[ready.pop()], TAKE_ALL)
+
+    def _decoded(self, handoff_id: str, text: str) -> Decoded:
+        known = self.calls.get(text)
+        if known is not None:
+            return known
+        body: list[Any] = json.loads(text)
+        if body[0] in OWN_RECORDS:
+            return body
+        call = decode(handoff_id, body)
+        if not isinstance(call, StartRequest):
+            self.calls[text] = call
+        return call
+
+    def _stand_in(self, engine_id: str) -> None:
+        # Under the engine's last incarnation: the engine that comes back
+        # under it reconnects; one under a newer one restarted, and is lost.
+        if engine_id not in self.streams:
+            ready = self.ready
+            self.streams[engine_id] = self.registry.subscribe(
+                engine_id,
+                lambda: ready.add(engine_id),
+                self.incarnations.get(engine_id, ""),
+                STAND_IN_SESSION,
+            )
+
+
+def _trace_again(tracer: Tracing, entry: Entry) -> object:
     """A retained handoff's trace from its caller's context, its span ended
     (and not exported again: the tracer is replaying), as a replay leaves it."""
     context = dict(entry.trace_context)
@@ -493,6 +612,7 @@ def _trace_again(tracer: Tracing, entry: Entry) -> None:
     completion = entry.core.completion
     assert completion is not None, "only a completed handoff is retained"
     tracer.completed(entry, completion, entry.completed_at or entry.started_at)
+    return entry.trace
 
 
 @contextlib.contextmanager

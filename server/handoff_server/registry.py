@@ -570,18 +570,7 @@ class Registry:
             )
             log.info("successful handoff reopened", extra={"handoff_id": entry.handoff_id})
         if phase is Phase.CLEANING_UP:
-            entry.cleanup_epoch = next(self._epochs)
-            entry.redelivery_round = 0
-            key = entry.handoff_id
-            self._schedule(
-                now + self.settings.cleanup_timeout_s, TimerKind.ABANDON, key, entry.cleanup_epoch
-            )
-            self._schedule(
-                now + self.settings.cleanup_redelivery_s,
-                TimerKind.REDELIVER,
-                key,
-                (entry.cleanup_epoch, 0),
-            )
+            self._begin_cleanup(entry, now)
         elif phase is Phase.COMPLETE:
             completion = entry.core.completion
             assert completion is not None
@@ -604,6 +593,22 @@ class Registry:
                 "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
             )
             self._finished(entry.handoff_id)
+
+    def _begin_cleanup(self, entry: Entry, now: float) -> None:
+        """Cleanup (re)started at ``now``: when to send its actions again, and
+        when to give up on them."""
+        entry.cleanup_epoch = next(self._epochs)
+        entry.redelivery_round = 0
+        key = entry.handoff_id
+        self._schedule(
+            now + self.settings.cleanup_timeout_s, TimerKind.ABANDON, key, entry.cleanup_epoch
+        )
+        self._schedule(
+            now + self.settings.cleanup_redelivery_s,
+            TimerKind.REDELIVER,
+            key,
+            (entry.cleanup_epoch, 0),
+        )
 
     def _server_fact(self, entry: Entry, fact: Fact) -> None:
         """A fact the server observed itself: a deadline, a lost engine, shutdown."""
@@ -734,6 +739,28 @@ class Registry:
         back and report it (or be lost, which settles it) before its handoff
         is given up."""
         self._timers.defer(TimerKind.ABANDON, not_before)
+
+    def adopt(
+        self,
+        entry: Entry,
+        written: Iterable[Dispatch],
+        reached: Iterable[tuple[str, Role]],
+        cleaning_since: float | None,
+    ) -> None:
+        """Take in an unfinished handoff rebuilt from its journal records
+        (recovery, rebuild.py) as this call path would have left it: its
+        deadline timer while active, or its cleanup's timers from when cleanup
+        began; its outstanding actions ``written`` once to their engines, and
+        the (engine, role) pairs its actions ``reached``."""
+        handoff_id = entry.handoff_id
+        assert handoff_id not in self.handoffs, "recovery adopts each handoff once"
+        self.handoffs[handoff_id] = entry
+        if entry.core.phase is Phase.ACTIVE:
+            self._schedule(entry.deadline, TimerKind.DEADLINE, handoff_id, entry.deadline)
+        else:
+            assert cleaning_since is not None, "a handoff cleaning up began cleaning up"
+            self._begin_cleanup(entry, cleaning_since)
+        self.delivery.adopt(handoff_id, entry.engines, written, reached)
 
     def restore(self, retained: Retained) -> bool:
         """Keep a completed handoff as a journal snapshot brought it back
