@@ -196,6 +196,14 @@ class Journal:
         while rows := cursor.fetchmany(READ_BATCH):
             yield from rows
 
+    def rows_of(self, handoff_id: str, last_seq: int) -> list[tuple[int, str, float, str]]:
+        """One handoff's records as stored, up to and including ``last_seq``, oldest first."""
+        return self._db.execute(
+            "SELECT seq, handoff_id, at, body FROM records WHERE handoff_id = ? AND seq <= ? "
+            "ORDER BY seq",
+            (handoff_id, last_seq),
+        ).fetchall()
+
     def engine_incarnations(self) -> dict[str, str]:
         """Each engine's last incarnation, as last recorded."""
         return dict(self._db.execute("SELECT engine_id, incarnation FROM engines"))

@@ -67,7 +67,6 @@ class Rebuild:
 
     __slots__ = (
         "entry",
-        "rows",
         "skipped",
         "needs_registry",
         "cleaning_since",
@@ -89,13 +88,14 @@ class Rebuild:
             at + timeout_s,
         )
         self.entry.trace_context = request.trace_context
-        self.rows = [row]  # every record, for the registry's replay if it comes to that
         self.skipped = 0  # records the core rejected (the registry's replay skips them too)
         self.needs_registry: str | None = None
         self.cleaning_since: float | None = None
         # Outstanding actions written to their engines, by (action id, engine id).
         self._written: dict[tuple[int, str], Dispatch] = {}
-        self._reached: set[Role] = set()  # roles any of whose actions reached their engine
+        # Roles any of whose actions reached their engine (a tuple: a set
+        # costs four times the memory, times every unfinished handoff).
+        self._reached: tuple[Role, ...] = ()
         self._after(seq, at, self._core_call(core.start), Phase.ACTIVE, 0)
 
     @property
@@ -166,7 +166,7 @@ class Rebuild:
         for engine_id in engines:
             dispatch = self._written.pop((action_id, engine_id), None)
             if dispatch is not None:
-                self._reached.add(dispatch.target)
+                self._reach(dispatch.target)
 
     def _after(
         self,
@@ -225,4 +225,8 @@ class Rebuild:
         written = self._written
         for dispatch in pending:
             if written.get((dispatch.action.id, dispatch.engine_id)) is dispatch:
-                self._reached.add(dispatch.target)
+                self._reach(dispatch.target)
+
+    def _reach(self, role: Role) -> None:
+        if role not in self._reached:
+            self._reached += (role,)

@@ -381,7 +381,7 @@ def recover(
     tracer = registry.tracer
     if tracer.on:
         tracer.replaying = True  # history is not news to the trace collector either
-    replay = Replay(registry, clock, incarnations, rebuilding and not tracer.on)
+    replay = Replay(journal, registry, clock, incarnations, rebuilding and not tracer.on)
     with _quiet("handoff.registry"), _no_cyclic_gc():
         for row in journal.rows():
             replay.row(row)
@@ -449,11 +449,13 @@ class Replay:
 
     def __init__(
         self,
+        journal: Journal,
         registry: Registry,
         clock: ReplayClock,
         incarnations: dict[str, str],
         rebuilding: bool,
     ) -> None:
+        self.journal = journal
         self.registry = registry
         self.clock = clock
         self.incarnations = incarnations
@@ -510,7 +512,6 @@ class Replay:
             delivery.unsubscribe(stream)
 
     def _rebuild(self, rebuild: Rebuild, row: Row) -> None:
-        rebuild.rows.append(row)
         seq, handoff_id, at, text = row
         call = self._decoded(handoff_id, text)
         if isinstance(call, tuple):
@@ -528,13 +529,15 @@ class Replay:
             # Given back at once: from this record on (the one that needs the
             # registry included) the handoff replays in journal order, so what
             # it does beyond itself (retention, above all) happens in order.
+            # Its records so far are read again (rare; kept, they would double
+            # the replay's memory).
             log.debug(
                 "replayed through the registry: %s",
                 rebuild.needs_registry,
                 extra={"handoff_id": handoff_id},
             )
             del self.rebuilds[handoff_id]
-            for earlier in rebuild.rows:
+            for earlier in self.journal.rows_of(handoff_id, seq):
                 self._replay(earlier, self._decoded(handoff_id, earlier[3]))
 
     def _replay(self, row: Row, call: Decoded) -> None:
