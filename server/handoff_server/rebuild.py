@@ -202,6 +202,8 @@ class Rebuild:
                 self.needs_registry = "it completed"
                 return []
             entry.routed[action.id] = Routed(at, kind, engines)
+            # A guard: in a replay every earlier action of a side counts as
+            # reached, and the core cleans up only a side it sent something.
             if kind in CLEANUP_KINDS and role not in self._reached:
                 self.needs_registry = f"the server settled {kind.value}#{action.id} itself"
                 return []
