@@ -7,6 +7,7 @@ security checks, none of which need the registry itself.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -97,6 +98,24 @@ class Entry:
         self.trace: object = None  # tracing.HandoffTrace when tracing is on
         # The caller's, as StartHandoff brought it: a journal snapshot keeps it.
         self.trace_context: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def started(cls, request: StartRequest, timeout_s: float, now: float) -> Entry:
+        """A new handoff as ``request`` starts it at ``now``, not yet started in its core."""
+        core = Handoff(request.handoff_id, request.order, request.fallback_transfer_delay_ms)
+        # Interned: every request parses its own copy of its engines' names,
+        # and a retained handoff would otherwise keep both for retention_s.
+        entry = cls(
+            core,
+            sys.intern(request.source_engine_id),
+            sys.intern(request.destination_engine_id),
+            request.transfer_executor,
+            timeout_s,
+            now,
+            now + timeout_s,
+        )
+        entry.trace_context = request.trace_context
+        return entry
 
     @property
     def handoff_id(self) -> str:

@@ -31,10 +31,8 @@ state and timers included.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 
-from handoff_server.core import Handoff
 from handoff_server.delivery import Dispatch, Role
 from handoff_server.entries import Entry, Routed, StartRequest
 from handoff_server.model import (
@@ -76,18 +74,7 @@ class Rebuild:
 
     def __init__(self, request: StartRequest, timeout_s: float, row: Row) -> None:
         seq, _, at, _ = row
-        core = Handoff(request.handoff_id, request.order, request.fallback_transfer_delay_ms)
-        # Interned as the registry's start does: a name shared by every handoff of its engine.
-        self.entry = Entry(
-            core,
-            sys.intern(request.source_engine_id),
-            sys.intern(request.destination_engine_id),
-            request.transfer_executor,
-            timeout_s,
-            at,
-            at + timeout_s,
-        )
-        self.entry.trace_context = request.trace_context
+        self.entry = Entry.started(request, timeout_s, at)
         self.skipped = 0  # records the core rejected (the registry's replay skips them too)
         self.needs_registry: str | None = None
         self.cleaning_since: float | None = None
@@ -96,7 +83,7 @@ class Rebuild:
         # Roles any of whose actions reached their engine (a tuple: a set
         # costs four times the memory, times every unfinished handoff).
         self._reached: tuple[Role, ...] = ()
-        self._after(seq, at, self._core_call(core.start), Phase.ACTIVE, 0)
+        self._after(seq, at, self._core_call(self.entry.core.start), Phase.ACTIVE, 0)
 
     @property
     def handoff_id(self) -> str:

@@ -27,7 +27,6 @@ import enum
 import functools
 import itertools
 import logging
-import sys
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -226,19 +225,7 @@ class Registry:
                     f"engine {engine_id} has {queued} undelivered actions, the limit "
                     f"is {self.settings.max_queued_actions_per_engine}"
                 )
-        core = Handoff(request.handoff_id, request.order, request.fallback_transfer_delay_ms)
-        # Interned: every request parses its own copy of its engines' names,
-        # and a retained handoff would otherwise keep both for retention_s.
-        entry = Entry(
-            core,
-            sys.intern(request.source_engine_id),
-            sys.intern(request.destination_engine_id),
-            request.transfer_executor,
-            timeout,
-            now,
-            now + timeout,
-        )
-        entry.trace_context = request.trace_context
+        entry = Entry.started(request, timeout, now)
         self.handoffs[request.handoff_id] = entry
         self.metrics.started.inc()
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
