@@ -52,7 +52,10 @@ EVERY_FAULT = SimConfig(
         prompt_median_tokens=512,
         output_max_tokens=64,
         cancel_fraction=0.1,
-        cancel_after_success_fraction=0.1,
+        # A third: at least one cancel in decode even when a loaded machine
+        # leaves only a score of successes (at a tenth, 0.9**20 = 12 % of runs
+        # had none, and failed the assertion below; seen once under load).
+        cancel_after_success_fraction=0.3,
         handoff_timeout_s=5.0,  # handoffs of a stuck handler end here
     ),
     faults=FaultProfile(
