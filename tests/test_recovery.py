@@ -493,7 +493,7 @@ def internals(registry: Registry) -> dict[str, Any]:
 
 
 @settings(
-    max_examples=200,
+    max_examples=120,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
