@@ -22,7 +22,8 @@ In one run:
   format 2's snapshots (a retained handoff one record). With ``--against
   CHECKOUT`` (another worktree with its own .venv, main's say), one snapshot
   journal instead, replayed alternately by this checkout's code and that one's,
-  each replay in a fresh process.
+  each replay in a fresh process; and in the overhead part, a fifth server,
+  "normal" served by that checkout's code.
 
 Run: .venv/bin/python -m bench.journal [--quick] [--live N --retained N]
 """
@@ -35,6 +36,7 @@ import multiprocessing
 import os
 import platform
 import sqlite3
+import statistics
 import subprocess
 import tempfile
 import time
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from bench.ab import baseline_server
 from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, percentile, say
@@ -80,6 +83,13 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         servers[mode] = ServerProcess.service(
             "--event-loop", args.event_loop, *journal, name=f"journal {mode}"
         )
+    if args.against is not None:
+        # The same flags as "normal", served by the other checkout's code.
+        mode = f"normal, {args.against.name}'s code"
+        flags = ("--state-dir", str(state / mode), *MODES["normal"])
+        servers[mode] = baseline_server(
+            args.against.resolve(), "--event-loop", args.event_loop, *flags
+        )
     base = LoadSpec(
         target="",
         path="stream",
@@ -95,33 +105,39 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
                 for path, batch in (("stream", True), ("unary", False)):
                     if path not in args.paths:
                         continue
-                    for mode in MODES:
+                    for mode in servers:
                         say(f"round {round_ + 1}: {path}, journal {mode}")
                         spec = replace(base, path=path, batch=batch)
                         measured = drive(pool, args.clients, servers[mode], spec, "max")
                         results.setdefault((path, mode), []).append(measured)
-        held = {mode: journal_bytes(state / mode) for mode in MODES if mode != "off"}
+        held = {mode: journal_bytes(state / mode) for mode in servers if mode != "off"}
     finally:
         for server in servers.values():
             server.stop()
     lines = [
-        "| path | journal | handoffs/s | server CPU µs/handoff | vs off | handoff p99 ms |"
-        " rejected+unfinished |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| path | journal | handoffs/s | server CPU µs/handoff | vs off | vs off, median of"
+        " rounds | handoff p99 ms | rejected+unfinished |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for path in ("stream", "unary"):
         if path not in args.paths:
             continue
         off = cpu_per_handoff(results[(path, "off")])
-        for mode in MODES:
+        for mode in servers:
             runs = results[(path, mode)]
             cpu = cpu_per_handoff(runs)
             rate = sum(m.result.completed for m in runs) / sum(m.result.window_s for m in runs)
             bad = sum(m.result.rejected + m.result.unfinished for m in runs)
             p99 = percentile([s for m in runs for s in m.result.handoff_s], 0.99) * 1000
+            # Each round against the same round's "off": a load that comes and
+            # goes on the shared machine weighs on one round, not the ratio.
+            rounds = statistics.median(
+                cpu_per_handoff([run]) / cpu_per_handoff([against]) - 1
+                for run, against in zip(runs, results[(path, "off")], strict=True)
+            )
             lines.append(
                 f"| {path} | {mode} | {rate:,.0f} | {cpu:,.0f} | {cpu / off - 1:+.1%} | "
-                f"{p99:.1f} | {bad} |"
+                f"{rounds:+.1%} | {p99:.1f} | {bad} |"
             )
     lines.append("")
     for mode, (count, size) in held.items():
@@ -352,7 +368,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--against",
         type=Path,
         help="recovery: replay one format 2 journal by this checkout and by this other "
-        "one (its .venv), alternately",
+        "one (its .venv), alternately; overhead: also serve 'normal' by that one's code",
     )
     parser.add_argument("--soak-s", type=float, default=600.0, help="soak duration")
     parser.add_argument("--soak-rate", type=float, default=100.0, help="soak handoffs/s")

@@ -375,9 +375,11 @@ class Journal:
         db.execute("BEGIN")
         try:
             db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", inserts)
-            # Bounded by seq: a handoff id may be reused once its handoff left.
-            db.executemany("DELETE FROM records WHERE handoff_id = ? AND seq < ?", drops)
-            db.executemany("INSERT OR REPLACE INTO engines VALUES (?, ?)", list(engines.items()))
+            if drops:
+                # Bounded by seq: a handoff id may be reused once its handoff left.
+                db.executemany("DELETE FROM records WHERE handoff_id = ? AND seq < ?", drops)
+            if engines:
+                db.executemany("INSERT OR REPLACE INTO engines VALUES (?, ?)", engines.items())
         except BaseException:
             db.execute("ROLLBACK")
             raise
