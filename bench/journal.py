@@ -6,7 +6,8 @@ In one run:
   on with ``--durability full``, each driven at its maximum rate on the
   streaming path (batched, as the SDK uses it) and on the unary path; the
   rounds alternate between the servers so that the shared machine's load
-  falls on all alike. Reported: completed handoffs/s and server CPU per
+  falls on all alike (or, with ``--rate``, each at that pace: for the
+  latency a commit delay adds below the maximum). Reported: completed handoffs/s and server CPU per
   handoff (all threads, the journal's writer included), and the journal's
   bytes per handoff it holds.
 - **Soak.** The journaling server under a steady open-loop load for
@@ -97,7 +98,9 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         concurrency=args.concurrency,
         duration_s=args.duration_s,
         warmup_s=min(2.0, args.duration_s / 4),
+        rate=args.rate,
     )
+    pace = f"{args.rate:g}/s" if args.rate else "max"
     results: dict[tuple[str, str], list[Measured]] = {}
     try:
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
@@ -108,7 +111,7 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
                     for mode in servers:
                         say(f"round {round_ + 1}: {path}, journal {mode}")
                         spec = replace(base, path=path, batch=batch)
-                        measured = drive(pool, args.clients, servers[mode], spec, "max")
+                        measured = drive(pool, args.clients, servers[mode], spec, pace)
                         results.setdefault((path, mode), []).append(measured)
         held = {mode: journal_bytes(state / mode) for mode in servers if mode != "off"}
     finally:
@@ -361,6 +364,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=128, help="handoffs in flight")
     parser.add_argument("--pairs", type=int, default=4, help="engine pairs per load process")
     parser.add_argument("--clients", type=int, default=1, help="load processes")
+    parser.add_argument(
+        "--rate", type=float, help="overhead: handoffs/s started (open loop), not the maximum"
+    )
     parser.add_argument("--live", type=int, default=100_000, help="live handoffs to recover")
     parser.add_argument("--retained", type=int, default=100_000, help="retained to recover")
     parser.add_argument("--recovery-rounds", type=int, default=2, help="replays of each journal")
@@ -404,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}; load average "
         f"{load_before} before, {load_average()} after; {time.monotonic() - began:.0f} s; "
         f"{args.rounds} alternating rounds of {args.duration_s:g} s per path and mode, "
-        f"{args.concurrency} in flight, servers on {args.event_loop}."
+        f"{args.concurrency} in flight"
+        f"{f', {args.rate:g} handoffs/s started' if args.rate else ''}, servers on "
+        f"{args.event_loop}."
     )
     print()
     print("\n".join(lines))
