@@ -25,9 +25,10 @@ Choices, and why:
   transaction. The event loop never waits on the disk: a commit that could
   (it fsyncs) runs on a thread of its own, while the next batch gathers.
   Every commit with ``--durability full`` fsyncs. With ``normal``, a WAL
-  commit only appends to the WAL (the page cache; tens of microseconds, a
-  fifth of the hop to a thread and back), so it runs on the event loop,
-  except the two that fsync: the one that begins the WAL (its header is
+  commit only appends to the WAL (a write into the page cache, which the
+  kernel throttles only when the disk falls far behind: tens of
+  microseconds, a fifth of the hop to a thread and back), so it runs on the
+  event loop, except those that may fsync: the one that begins the WAL (its header is
   synced) and the checkpoint, which copies the WAL into the database and
   syncs both. SQLite's automatic checkpoint, which would run inside
   whichever commit crossed 1000 pages, is off; the writer checkpoints on
@@ -41,7 +42,7 @@ Choices, and why:
 - **JSON bodies.** A few microseconds slower than pickle, but the file can be
   read with the ``sqlite3`` shell, and reading it never runs code.
 
-About 500 lines, a tenth of them this note: the file's whole life (lock,
+About 550 lines, a tenth of them this note: the file's whole life (lock,
 open, append, drop, group commit, close, a bad file moved aside, a torn
 tail reported) stays with the one object that owns the SQLite connection.
 """
