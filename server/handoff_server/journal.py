@@ -28,13 +28,13 @@ Choices, and why:
   commit only appends to the WAL (a write into the page cache, which the
   kernel throttles only when the disk falls far behind: tens of
   microseconds, a fifth of the hop to a thread and back), so it runs on the
-  event loop, except those that may fsync: the one that begins the WAL (its header is
-  synced) and the checkpoint, which copies the WAL into the database and
-  syncs both. SQLite's automatic checkpoint, which would run inside
-  whichever commit crossed 1000 pages, is off; the writer checkpoints on
-  its thread once the WAL passes :data:`WAL_CHECKPOINT_BYTES`, then commits
-  the batch there too (it begins the WAL again). The WAL stays about that
-  size.
+  event loop, except those that may fsync: the one that begins the WAL
+  (its header is synced) and the checkpoint, which copies the WAL into the
+  database and syncs both. SQLite's automatic checkpoint, which would run
+  inside whichever commit crossed 1000 pages, is off; the writer
+  checkpoints on its thread once the WAL passes
+  :data:`WAL_CHECKPOINT_BYTES`, then commits the batch there too (it
+  begins the WAL again). The WAL stays about that size.
 - **The barrier.** :meth:`Journal.durable` returns once everything appended
   so far is committed. Every place the server writes to the network awaits
   it first, so no answer, acknowledgement or action leaves before the
