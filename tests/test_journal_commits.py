@@ -1,6 +1,7 @@
 """Where the journal's commits run, on real SQLite files: with ``normal`` on the
-event loop, except what may fsync (the checkpoint, and the commit after it),
-which runs on the writer's thread; with ``full`` every commit on the thread.
+event loop, except what may fsync (the checkpoint, and the commit after it)
+and large batches, which run on the writer's thread; with ``full`` every
+commit on the thread.
 The WAL stays bounded, a reader cannot make the writer wait, close truncates
 the WAL, and a commit that fails on the event loop stops the server with
 nothing built on it sent.
@@ -23,7 +24,7 @@ import pytest
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.journal import DATABASE, WAL_CHECKPOINT_BYTES, Journal
+from handoff_server.journal import DATABASE, LOOP_BATCH_MAX, WAL_CHECKPOINT_BYTES, Journal
 from tests.conftest import StartServer
 from tests.grpc_support import DESTINATION, SOURCE, StreamRecorder
 
@@ -94,6 +95,21 @@ async def test_normal_commits_on_the_loop_and_checkpoints_on_the_thread(tmp_path
         await journal.close()
     assert wal_bytes(tmp_path) == 0  # close checkpoints (TRUNCATE)
     assert committed(tmp_path) == 1500 * 8
+
+
+@pytest.mark.timeout(30)
+async def test_a_large_batch_commits_on_the_thread(tmp_path: Path) -> None:
+    """A batch the loop would stop for (the streaming path's) is worth the hop."""
+    journal = Journal.open(tmp_path, "normal")
+    where = Where(journal)
+    journal.start_writer()
+    try:
+        await write(journal, tmp_path, 1, LOOP_BATCH_MAX)
+        await write(journal, tmp_path, 1, LOOP_BATCH_MAX + 1)
+        assert where.counts == {("COMMIT", "loop"): 1, ("COMMIT", "thread"): 1}
+    finally:
+        await journal.close()
+    assert committed(tmp_path) == 2 * LOOP_BATCH_MAX + 1
 
 
 @pytest.mark.timeout(60)

@@ -34,7 +34,9 @@ Choices, and why:
   inside whichever commit crossed 1000 pages, is off; the writer
   checkpoints on its thread once the WAL passes
   :data:`WAL_CHECKPOINT_BYTES`, then commits the batch there too (it
-  begins the WAL again). The WAL stays about that size.
+  begins the WAL again). The WAL stays about that size. A batch of more
+  than :data:`LOOP_BATCH_MAX` records also goes to the thread: the
+  streaming path's batches are large, and the loop serves on meanwhile.
 - **The barrier.** :meth:`Journal.durable` returns once everything appended
   so far is committed. Every place the server writes to the network awaits
   it first, so no answer, acknowledgement or action leaves before the
@@ -79,6 +81,10 @@ READ_BATCH = 10_000
 # SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
 # this is copied into the database before the next commit.
 WAL_CHECKPOINT_BYTES = 4 * 2**20
+# A batch larger than this is committed on the thread even when it cannot
+# fsync: the hop is worth it when the loop would otherwise stop that long
+# (the streaming path's batches; unary calls commit a few at a time).
+LOOP_BATCH_MAX = 32
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -293,7 +299,7 @@ class Journal:
                 self._wanted.clear()
                 reaching = self._appended
                 batch = self._take_batch()
-                if self._may_fsync():
+                if len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync():
                     await loop.run_in_executor(self._executor, self._commit_checkpointing, *batch)
                 else:
                     self._commit(*batch)
