@@ -29,9 +29,9 @@ BASELINE = (
 )
 
 
-def baseline_server(tree: Path) -> ServerProcess:
+def baseline_server(tree: Path, *flags: str) -> ServerProcess:
     paths = [str(tree / "server"), str(tree / "client")]
-    return ServerProcess(["-c", BASELINE, *paths, *SERVICE[2:], *SERVICE_FLAGS], "before")
+    return ServerProcess(["-c", BASELINE, *paths, *SERVICE[2:], *SERVICE_FLAGS, *flags], "before")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,8 @@ In one run:
   on with ``--durability full``, each driven at its maximum rate on the
   streaming path (batched, as the SDK uses it) and on the unary path; the
   rounds alternate between the servers so that the shared machine's load
-  falls on all alike. Reported: completed handoffs/s and server CPU per
+  falls on all alike (or, with ``--rate``, each at that pace: for the
+  latency a commit delay adds below the maximum). Reported: completed handoffs/s and server CPU per
   handoff (all threads, the journal's writer included), and the journal's
   bytes per handoff it holds.
 - **Soak.** The journaling server under a steady open-loop load for
@@ -22,7 +23,8 @@ In one run:
   format 2's snapshots (a retained handoff one record). With ``--against
   CHECKOUT`` (another worktree with its own .venv, main's say), one snapshot
   journal instead, replayed alternately by this checkout's code and that one's,
-  each replay in a fresh process.
+  each replay in a fresh process; and in the overhead part, a fifth server,
+  "normal" served by that checkout's code.
 
 Run: .venv/bin/python -m bench.journal [--quick] [--live N --retained N]
 """
@@ -35,6 +37,7 @@ import multiprocessing
 import os
 import platform
 import sqlite3
+import statistics
 import subprocess
 import tempfile
 import time
@@ -43,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from bench.ab import baseline_server
 from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, percentile, say
@@ -80,6 +84,13 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         servers[mode] = ServerProcess.service(
             "--event-loop", args.event_loop, *journal, name=f"journal {mode}"
         )
+    if args.against is not None:
+        # The same flags as "normal", served by the other checkout's code.
+        mode = f"normal, {args.against.name}'s code"
+        flags = ("--state-dir", str(state / mode), *MODES["normal"])
+        servers[mode] = baseline_server(
+            args.against.resolve(), "--event-loop", args.event_loop, *flags
+        )
     base = LoadSpec(
         target="",
         path="stream",
@@ -87,7 +98,9 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
         concurrency=args.concurrency,
         duration_s=args.duration_s,
         warmup_s=min(2.0, args.duration_s / 4),
+        rate=args.rate,
     )
+    pace = f"{args.rate:g}/s" if args.rate else "max"
     results: dict[tuple[str, str], list[Measured]] = {}
     try:
         with multiprocessing.get_context("spawn").Pool(args.clients) as pool:
@@ -95,33 +108,39 @@ def overhead(args: argparse.Namespace, state: Path) -> list[str]:
                 for path, batch in (("stream", True), ("unary", False)):
                     if path not in args.paths:
                         continue
-                    for mode in MODES:
+                    for mode in servers:
                         say(f"round {round_ + 1}: {path}, journal {mode}")
                         spec = replace(base, path=path, batch=batch)
-                        measured = drive(pool, args.clients, servers[mode], spec, "max")
+                        measured = drive(pool, args.clients, servers[mode], spec, pace)
                         results.setdefault((path, mode), []).append(measured)
-        held = {mode: journal_bytes(state / mode) for mode in MODES if mode != "off"}
+        held = {mode: journal_bytes(state / mode) for mode in servers if mode != "off"}
     finally:
         for server in servers.values():
             server.stop()
     lines = [
-        "| path | journal | handoffs/s | server CPU µs/handoff | vs off | handoff p99 ms |"
-        " rejected+unfinished |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| path | journal | handoffs/s | server CPU µs/handoff | vs off | vs off, median of"
+        " rounds | handoff p99 ms | rejected+unfinished |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for path in ("stream", "unary"):
         if path not in args.paths:
             continue
         off = cpu_per_handoff(results[(path, "off")])
-        for mode in MODES:
+        for mode in servers:
             runs = results[(path, mode)]
             cpu = cpu_per_handoff(runs)
             rate = sum(m.result.completed for m in runs) / sum(m.result.window_s for m in runs)
             bad = sum(m.result.rejected + m.result.unfinished for m in runs)
             p99 = percentile([s for m in runs for s in m.result.handoff_s], 0.99) * 1000
+            # Each round against the same round's "off": a load that comes and
+            # goes on the shared machine weighs on one round, not the ratio.
+            rounds = statistics.median(
+                cpu_per_handoff([run]) / cpu_per_handoff([against]) - 1
+                for run, against in zip(runs, results[(path, "off")], strict=True)
+            )
             lines.append(
                 f"| {path} | {mode} | {rate:,.0f} | {cpu:,.0f} | {cpu / off - 1:+.1%} | "
-                f"{p99:.1f} | {bad} |"
+                f"{rounds:+.1%} | {p99:.1f} | {bad} |"
             )
     lines.append("")
     for mode, (count, size) in held.items():
@@ -345,6 +364,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=128, help="handoffs in flight")
     parser.add_argument("--pairs", type=int, default=4, help="engine pairs per load process")
     parser.add_argument("--clients", type=int, default=1, help="load processes")
+    parser.add_argument(
+        "--rate", type=float, help="overhead: handoffs/s started (open loop), not the maximum"
+    )
     parser.add_argument("--live", type=int, default=100_000, help="live handoffs to recover")
     parser.add_argument("--retained", type=int, default=100_000, help="retained to recover")
     parser.add_argument("--recovery-rounds", type=int, default=2, help="replays of each journal")
@@ -352,7 +374,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--against",
         type=Path,
         help="recovery: replay one format 2 journal by this checkout and by this other "
-        "one (its .venv), alternately",
+        "one (its .venv), alternately; overhead: also serve 'normal' by that one's code",
     )
     parser.add_argument("--soak-s", type=float, default=600.0, help="soak duration")
     parser.add_argument("--soak-rate", type=float, default=100.0, help="soak handoffs/s")
@@ -388,7 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}; load average "
         f"{load_before} before, {load_average()} after; {time.monotonic() - began:.0f} s; "
         f"{args.rounds} alternating rounds of {args.duration_s:g} s per path and mode, "
-        f"{args.concurrency} in flight, servers on {args.event_loop}."
+        f"{args.concurrency} in flight"
+        f"{f', {args.rate:g} handoffs/s started' if args.rate else ''}, servers on "
+        f"{args.event_loop}."
     )
     print()
     print("\n".join(lines))

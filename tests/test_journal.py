@@ -51,14 +51,24 @@ async def test_group_commit_makes_a_batch_durable_in_one_transaction(tmp_path: P
         await journal.durable()
         assert [handoff_id for _, handoff_id in rows(tmp_path)] == [f"h{i}" for i in range(500)]
         assert journal.commits == 1  # 500 calls, one transaction
-        # Appends made while a commit runs gather into the next one.
+    finally:
+        await journal.close()
+
+
+@pytest.mark.timeout(30)
+async def test_appends_made_while_a_commit_runs_on_the_thread_gather(tmp_path: Path) -> None:
+    """With FULL every commit runs on the writer's thread; what the event loop
+    appends meanwhile goes into the next commit."""
+    journal = Journal.open(tmp_path, "full")
+    journal.start_writer()
+    try:
         waits = []
         for round_ in range(20):
             journal.append(f"r{round_}", 2.0, ["failed"])
             waits.append(asyncio.ensure_future(journal.durable()))
             await asyncio.sleep(0)
         await asyncio.gather(*waits)
-        assert len(rows(tmp_path)) == 520
+        assert len(rows(tmp_path)) == 20
         assert journal.commits < 1 + 20
     finally:
         await journal.close()

@@ -82,7 +82,7 @@ class Settings:
         choices=("normal", "full"),
     )
     journal_commit_delay_ms: float = _setting(
-        1.0,
+        2.0,
         "under load, at most one journal commit per this many ms, so one commit holds "
         "more calls (less CPU per call, up to this much more latency); an idle server "
         "commits at once; 0: commit as soon as the previous commit ends",

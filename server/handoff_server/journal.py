@@ -22,8 +22,21 @@ Choices, and why:
   retained handoff from one row instead of replaying nine (recovery.py).
 - **Group commit.** Calls append to an in-memory batch synchronously (the
   registry never awaits); one writer task commits each batch in one
-  transaction, on a thread of its own, so the event loop never waits on the
-  disk. While a commit runs, the next batch gathers.
+  transaction. The event loop never waits on the disk: a commit that could
+  (it fsyncs) runs on a thread of its own, while the next batch gathers.
+  Every commit with ``--durability full`` fsyncs. With ``normal``, a WAL
+  commit only appends to the WAL (a write into the page cache, which the
+  kernel throttles only when the disk falls far behind: tens of
+  microseconds, a fifth of the hop to a thread and back), so it runs on the
+  event loop, except those that may fsync: the one that begins the WAL
+  (its header is synced) and the checkpoint, which copies the WAL into the
+  database and syncs both. SQLite's automatic checkpoint, which would run
+  inside whichever commit crossed 1000 pages, is off; the writer
+  checkpoints on its thread once the WAL passes
+  :data:`WAL_CHECKPOINT_BYTES`, then commits the batch there too (it
+  begins the WAL again). The WAL stays about that size. A batch of more
+  than :data:`LOOP_BATCH_MAX` records also goes to the thread: the
+  streaming path's batches are large, and the loop serves on meanwhile.
 - **The barrier.** :meth:`Journal.durable` returns once everything appended
   so far is committed. Every place the server writes to the network awaits
   it first, so no answer, acknowledgement or action leaves before the
@@ -31,7 +44,7 @@ Choices, and why:
 - **JSON bodies.** A few microseconds slower than pickle, but the file can be
   read with the ``sqlite3`` shell, and reading it never runs code.
 
-About 440 lines, a tenth of them this note: the file's whole life (lock,
+About 550 lines, a tenth of them this note: the file's whole life (lock,
 open, append, drop, group commit, close, a bad file moved aside, a torn
 tail reported) stays with the one object that owns the SQLite connection.
 """
@@ -65,6 +78,13 @@ DATABASE = "journal.sqlite3"
 LOCK = "lock"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 READ_BATCH = 10_000
+# SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
+# this is copied into the database before the next commit.
+WAL_CHECKPOINT_BYTES = 4 * 2**20
+# A batch larger than this is committed on the thread even when it cannot
+# fsync: the hop is worth it when the loop would otherwise stop that long
+# (the streaming path's batches; unary calls commit a few at a time).
+LOOP_BATCH_MAX = 32
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -121,6 +141,10 @@ class Journal:
         self.state_dir = state_dir
         self.incarnation = incarnation  # this process's; larger than any before it
         self._db = connection
+        self._wal = state_dir / (DATABASE + "-wal")
+        # FULL fsyncs every commit, so no commit may run on the event loop.
+        self._fsync_per_commit = self.synchronous == "FULL"
+        self._checkpoint_at = WAL_CHECKPOINT_BYTES  # WAL bytes
         self._lock_fd = lock_fd
         self._next_seq = next_seq
         self._inserts: list[tuple[int, str, float, str]] = []
@@ -136,6 +160,7 @@ class Journal:
         self.on_failure: Callable[[BaseException], None] = lambda error: None
         self.commits = 0
         self.committed_items = 0
+        self.checkpoints = 0
 
     # --- opening ------------------------------------------------------------
 
@@ -249,8 +274,9 @@ class Journal:
     # --- committing ---------------------------------------------------------
 
     def start_writer(self, commit_delay_s: float = 0.0) -> None:
-        """Commit from now on, on a thread of its own; at most one commit per
-        ``commit_delay_s`` (counted from the end of the previous one)."""
+        """Commit from now on (on the event loop or a thread of the journal's own,
+        see the module's note); at most one commit per ``commit_delay_s``
+        (counted from the end of the previous one)."""
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="handoff-journal")
         self._writer = asyncio.create_task(self._write(commit_delay_s), name="handoff-journal")
 
@@ -280,7 +306,11 @@ class Journal:
                     await asyncio.sleep(gathering)
                 self._wanted.clear()
                 reaching = self._appended
-                await loop.run_in_executor(self._executor, self._commit, *self._take_batch())
+                batch = self._take_batch()
+                if len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync():
+                    await loop.run_in_executor(self._executor, self._commit_checkpointing, *batch)
+                else:
+                    self._commit(*batch)
                 last_commit = loop.time()
                 self.commits += 1
                 self.committed_items += reaching - self._committed
@@ -302,6 +332,53 @@ class Journal:
         self._inserts, self._drops, self._engines = [], [], {}
         return batch
 
+    def _may_fsync(self) -> bool:
+        """Whether the next commit may fsync: with FULL, each one; with NORMAL,
+        the one that begins the WAL (an empty WAL: just opened, or after a
+        checkpoint), and the one the checkpoint runs before."""
+        if self._fsync_per_commit:
+            return True
+        size = self._wal_bytes()
+        return size == 0 or size >= self._checkpoint_at
+
+    def _wal_bytes(self) -> int:
+        try:
+            return self._wal.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _commit_checkpointing(
+        self,
+        inserts: list[tuple[int, str, float, str]],
+        drops: list[tuple[str, int]],
+        engines: dict[str, str],
+    ) -> None:
+        """Checkpoint if the WAL has grown past its size, then commit: off the
+        event loop (both may fsync)."""
+        if self._wal_bytes() >= self._checkpoint_at:
+            self._checkpoint()
+        self._commit(inserts, drops, engines)
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database. PASSIVE never waits: a reader of an
+        older snapshot (someone's ``sqlite3`` shell) keeps its frames in the
+        WAL, which then grows until the next try, a WAL's size later."""
+        busy, frames, copied = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.checkpoints += 1
+        if busy or copied < frames:
+            self._checkpoint_at = self._wal_bytes() + WAL_CHECKPOINT_BYTES
+            log.warning(
+                "journal checkpoint copied %d of %d WAL frames (another connection reads "
+                "the journal): the WAL grows to %d bytes before the next try",
+                copied,
+                frames,
+                self._checkpoint_at,
+            )
+        else:
+            # The next commit begins the WAL again, and journal_size_limit=0
+            # truncates the file to what that commit wrote.
+            self._checkpoint_at = WAL_CHECKPOINT_BYTES
+
     def _commit(
         self,
         inserts: list[tuple[int, str, float, str]],
@@ -313,9 +390,11 @@ class Journal:
         db.execute("BEGIN")
         try:
             db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", inserts)
-            # Bounded by seq: a handoff id may be reused once its handoff left.
-            db.executemany("DELETE FROM records WHERE handoff_id = ? AND seq < ?", drops)
-            db.executemany("INSERT OR REPLACE INTO engines VALUES (?, ?)", list(engines.items()))
+            if drops:
+                # Bounded by seq: a handoff id may be reused once its handoff left.
+                db.executemany("DELETE FROM records WHERE handoff_id = ? AND seq < ?", drops)
+            if engines:
+                db.executemany("INSERT OR REPLACE INTO engines VALUES (?, ?)", engines.items())
         except BaseException:
             db.execute("ROLLBACK")
             raise
@@ -324,7 +403,7 @@ class Journal:
     def commit_now(self) -> None:
         """Commit what is pending, synchronously (tools and tests without a writer)."""
         assert self._writer is None, "the writer task commits while it runs"
-        self._commit(*self._take_batch())
+        self._commit_checkpointing(*self._take_batch())
         self._committed = self._appended
 
     async def close(self) -> None:
@@ -339,9 +418,13 @@ class Journal:
                 self._writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._writer
-            if self._executor is not None:
+            if self._executor is None:
+                self.close_now()
+            else:
+                # The last checkpoint fsyncs: off the event loop too.
+                await asyncio.get_running_loop().run_in_executor(self._executor, self.close_now)
                 self._executor.shutdown()
-            self.close_now()
+                self._executor = None
 
     def close_now(self) -> None:
         """Release without committing (start failed, or after close)."""
@@ -377,12 +460,16 @@ def _lock(state_dir: Path) -> int:
 
 
 def _connect(path: Path, durability: str) -> sqlite3.Connection:
-    # check_same_thread off: opened here, then used only by the writer thread.
+    # check_same_thread off: opened here, then used by the writer, on the
+    # event loop or its thread, never both at once.
     # Autocommit: _commit opens and ends its transactions itself.
     connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         connection.execute("PRAGMA journal_mode=WAL")
         connection.execute(f"PRAGMA synchronous={DURABILITY[durability]}")
+        # The writer checkpoints itself, off the event loop (Journal._checkpoint).
+        connection.execute("PRAGMA wal_autocheckpoint=0")
+        connection.execute("PRAGMA journal_size_limit=0")
         problems = [row[0] for row in connection.execute("PRAGMA quick_check")]
         if problems != ["ok"]:
             raise sqlite3.DatabaseError("; ".join(problems[:5]))
