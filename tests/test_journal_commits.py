@@ -22,11 +22,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.journal import DATABASE, LOOP_BATCH_MAX, WAL_CHECKPOINT_BYTES, Journal
 from tests.conftest import StartServer
-from tests.grpc_support import DESTINATION, SOURCE, StreamRecorder
+from tests.grpc_support import SOURCE, StreamRecorder, start_request
 
 CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
 BODY: list[object] = ["note", "x" * 1000]  # about a quarter of a page
@@ -159,16 +158,6 @@ async def test_a_reader_holding_the_wal_does_not_make_the_writer_wait(
         await journal.close()
 
 
-def start(handoff_id: str) -> pb.StartHandoffRequest:
-    return pb.StartHandoffRequest(
-        handoff_id=handoff_id,
-        engine_type=pb.ENGINE_TYPE_VLLM,
-        source_engine_id=SOURCE,
-        destination_engine_id=DESTINATION,
-        fallback_transfer_delay_ms=5.0,
-    )
-
-
 @pytest.mark.timeout(30)
 async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_server(
     start_server: StartServer, tmp_path: Path
@@ -183,7 +172,7 @@ async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_serve
         source = StreamRecorder(stub, SOURCE)
         await source.subscribed()
         first = str(uuid.uuid4())
-        await stub.StartHandoff(start(first))
+        await stub.StartHandoff(start_request(first))
         await source.wait_for(first, 0)
         with sqlite3.connect(tmp_path / DATABASE, isolation_level=None) as other:
             other.execute(
@@ -195,7 +184,7 @@ async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_serve
         assert 0 < wal_bytes(tmp_path) < WAL_CHECKPOINT_BYTES
         second = str(uuid.uuid4())
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.StartHandoff(start(second))
+            await stub.StartHandoff(start_request(second))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "the journal cannot be written" in (refused.value.details() or "")
         assert "refused by a trigger" in (refused.value.details() or "")

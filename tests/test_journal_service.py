@@ -22,7 +22,7 @@ from handoff_server import convert
 from handoff_server.app import Server
 from handoff_server.journal import DATABASE, Journal
 from tests.conftest import StartServer
-from tests.grpc_support import DESTINATION, SOURCE, ConnectEngine, StreamRecorder
+from tests.grpc_support import SOURCE, ConnectEngine, StreamRecorder, start_request
 
 SUBMITTED = pb.Outcome(kind=pb.OUTCOME_KIND_SUBMITTED)
 CANCELED = pb.Fact(canceled=pb.Canceled())
@@ -33,16 +33,6 @@ HELD = pb.Fact(
         )
     )
 )
-
-
-def start(handoff_id: str) -> pb.StartHandoffRequest:
-    return pb.StartHandoffRequest(
-        handoff_id=handoff_id,
-        engine_type=pb.ENGINE_TYPE_VLLM,
-        source_engine_id=SOURCE,
-        destination_engine_id=DESTINATION,
-        fallback_transfer_delay_ms=5.0,
-    )
 
 
 def committed(state_dir: Path) -> list[tuple[str, list[Any]]]:
@@ -85,7 +75,7 @@ async def test_no_answer_ack_or_action_leaves_before_its_commit(
     h = str(uuid.uuid4())
     source = StreamRecorder(stub, SOURCE)
     await source.subscribed()
-    await stub.StartHandoff(start(h))
+    await stub.StartHandoff(start_request(h))
     assert [body[0] for _, body in committed(tmp_path)] == ["start"]
     submit = await source.wait_for(h, 0)  # written to the stream after the same commit
     assert submit.kind == pb.ACTION_KIND_SUBMIT_PREFILL
@@ -103,8 +93,8 @@ async def test_no_answer_ack_or_action_leaves_before_its_commit(
 
     # A refusal tells of state too: the id in use is durable before it is refused.
     other = str(uuid.uuid4())
-    await stub.StartHandoff(start(other))
-    elsewhere = start(other)
+    await stub.StartHandoff(start_request(other))
+    elsewhere = start_request(other)
     elsewhere.destination_engine_id = "decode-elsewhere"
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.StartHandoff(elsewhere)
@@ -118,7 +108,7 @@ async def test_the_trace_context_is_kept_with_the_start(
     h = str(uuid.uuid4())
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     await stub.StartHandoff(
-        start(h), metadata=(("traceparent", traceparent), ("tracestate", "vendor=1"))
+        start_request(h), metadata=(("traceparent", traceparent), ("tracestate", "vendor=1"))
     )
     ((_, body),) = committed(tmp_path)
     assert body[-1] == [["traceparent", traceparent], ["tracestate", "vendor=1"]]
@@ -150,7 +140,7 @@ async def test_a_restart_recovers_and_subscriptions_say_so(
         stub: pb_grpc.HandoffCoordinatorAsyncStub = pb_grpc.HandoffCoordinatorStub(channel)
         ids = [str(uuid.uuid4()) for _ in range(5)]
         for h in ids:
-            await stub.StartHandoff(start(h))
+            await stub.StartHandoff(start_request(h))
         await stub.ReportFact(pb.ReportFactRequest(handoff_id=ids[0], fact=CANCELED))
     await first.stop()  # drains: the four still active are canceled, and journaled so
     views = {h: convert.handoff(first.registry.get(h)) for h in ids}
@@ -192,7 +182,7 @@ async def test_a_commit_that_fails_answers_nothing_and_stops_the_server(
 
     monkeypatch.setattr(Journal, "_commit", disk_full)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.StartHandoff(start(str(uuid.uuid4())))
+        await stub.StartHandoff(start_request(str(uuid.uuid4())))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "the journal cannot be written" in (refused.value.details() or "")
     assert "No space left on device" in (refused.value.details() or "")
