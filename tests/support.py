@@ -1,4 +1,5 @@
-"""Shared test helpers: where the conformance vectors live.
+"""Shared test helpers: where the conformance vectors live, and a real
+``handoff serve`` process for the tests that kill one.
 
 The repository carries its own copy in tests/conformance/ (the 2,000 vectors
 of the seed's semantics and the 1,500 in which an engine is lost);
@@ -8,6 +9,8 @@ HANDOFF_VECTORS_DIR points the tests at another copy.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,3 +27,24 @@ def all_vectors(path: Path = VECTORS) -> list[Vector]:
     if not path.exists():
         pytest.fail(f"conformance vectors not found at {path} (HANDOFF_VECTORS_DIR)")
     return list(load_vectors(path))
+
+
+def serve_process(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``handoff serve`` on loopback ``port`` in a process of its own (no metrics
+    port, info logs appended to ``log``), with ``flags`` added."""
+    command = [
+        sys.executable,
+        "-m",
+        "handoff_server.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--metrics-port",
+        "-1",
+        "--log-level",
+        "info",
+        *flags,
+    ]
+    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,8 +33,8 @@ from handoff_client import (
 from tests.conftest import FAST_RECONNECT, free_port
 from tests.lease_support import BlockEngine, until
 from tests.sidecar_support import DESTINATION, QUICK, SOURCE, start
+from tests.support import serve_process
 
-ROOT = Path(__file__).resolve().parents[1]
 DELIVERY_TIMEOUT_S = 3.0  # the lease is 2 s
 HELD, DECODING = 20, 3
 TIMEOUT_S = 60.0
@@ -43,24 +42,7 @@ TIMEOUT_S = 60.0
 
 def serve(port: int, log: Path, state_dir: Path | None) -> subprocess.Popen[bytes]:
     journal = ["--state-dir", str(state_dir)] if state_dir is not None else []
-    command = [
-        sys.executable,
-        "-m",
-        "handoff_server.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--metrics-port",
-        "-1",
-        "--delivery-timeout-s",
-        str(DELIVERY_TIMEOUT_S),
-        "--log-level",
-        "info",
-        *journal,
-    ]
-    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    return serve_process(port, log, "--delivery-timeout-s", str(DELIVERY_TIMEOUT_S), *journal)
 
 
 def kill(server: subprocess.Popen[bytes]) -> None:

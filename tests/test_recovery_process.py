@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import socket
 import subprocess
-import sys
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,8 +28,9 @@ import pytest
 
 from handoff.v1 import coordinator_pb2 as pb
 from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.conftest import free_port
+from tests.support import serve_process
 
-ROOT = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 K = pb.ActionKind
 PREFILLS = ["prefill-0", "prefill-1"]
@@ -60,13 +59,6 @@ STALLS: list[tuple[str, int, str]] = [
     ("fail", K.ACTION_KIND_START_TRANSFER, "outcome"),  # the transfer fails; cleanup parked
 ]
 CLEANUP = (K.ACTION_KIND_CANCEL_SOURCE, K.ACTION_KIND_CANCEL_DESTINATION)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -282,27 +274,7 @@ async def view(stub: pb_grpc.HandoffCoordinatorAsyncStub, h: str) -> pb.Handoff:
 
 
 def serve(port: int, state_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "handoff_server.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--metrics-port",
-            "-1",
-            "--state-dir",
-            str(state_dir),
-            "--log-level",
-            "info",
-        ],
-        cwd=ROOT,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-    )
+    return serve_process(port, log, "--state-dir", str(state_dir))
 
 
 @contextlib.asynccontextmanager
