@@ -29,6 +29,7 @@ from tests.grpc_support import ACCEPTED, APPLIED, HELD, RESERVED, SCHEDULED, SUB
 from tests.security_support import Stub
 
 START_WITHIN_S = 20.0
+BIND_ATTEMPTS = 3
 # Each handoff of the well-behaved client must finish within this, attack or not.
 HANDOFF_WITHIN_S = 5.0
 
@@ -70,23 +71,48 @@ class Served:
         return self.log.read_text(errors="replace")
 
 
-async def _serving(port: int) -> None:
-    """Until the health port answers SERVING (a process start announces nothing else)."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+async def _serving(served: Served) -> bool:
+    """Until the health port answers SERVING (True), or the process exits (False):
+    a process start announces nothing else."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{served.health_port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        while True:
+        while served.process.returncode is None:
             try:
                 answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
+                    return True
             except grpc.aio.AioRpcError:
                 pass
             await asyncio.sleep(0.05)
+        return False
 
 
 @contextlib.asynccontextmanager
 async def serving(folder: Path, *flags: str) -> AsyncIterator[Served]:
-    """`handoff serve` with ``flags`` on free loopback ports; SIGTERM at exit."""
+    """`handoff serve` with ``flags`` on free loopback ports; SIGTERM at exit.
+
+    A port found free can be taken by another process before the server binds
+    it (servers bind exclusively, so it then exits naming the address): such a
+    start is tried again on new ports, a few times."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        served = await _start(folder, flags)
+        try:
+            async with asyncio.timeout(START_WITHIN_S):
+                started = await _serving(served)
+        except BaseException:
+            await _stop(served.process)
+            raise
+        if started:
+            break
+        if " in use" not in served.log_text() or attempt == BIND_ATTEMPTS:
+            raise AssertionError(f"handoff serve exited at start:\n{served.log_text()}")
+    try:
+        yield served
+    finally:
+        await _stop(served.process)
+
+
+async def _start(folder: Path, flags: tuple[str, ...]) -> Served:
     port, health_port, metrics_port = free_port(), free_port(), free_port()
     log = folder / f"serve-{port}.log"
     argv = [
@@ -108,20 +134,18 @@ async def serving(folder: Path, *flags: str) -> AsyncIterator[Served]:
             stderr=sink,
             env=env,
         )
-    served = Served(process, port, health_port, metrics_port, log)
-    try:
-        async with asyncio.timeout(START_WITHIN_S):
-            await _serving(health_port)
-        yield served
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(START_WITHIN_S):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
+    return Served(process, port, health_port, metrics_port, log)
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(START_WITHIN_S):
                 await process.wait()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
 
 
 Metadata = tuple[tuple[str, str], ...]
