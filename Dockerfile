@@ -2,8 +2,8 @@
 # The handoff coordinator: `handoff serve` on 50051 (gRPC), 9464 (/metrics) and
 # 8081 (plaintext gRPC health only, for the HEALTHCHECK and the kubelet's probes).
 #
-#   docker build -t handoff:0.1.0 .
-#   docker run --rm -p 50051:50051 -p 9464:9464 handoff:0.1.0
+#   docker build -t handoff:0.2.0 .
+#   docker run --rm -p 50051:50051 -p 9464:9464 handoff:0.2.0
 #
 # Settings come from HANDOFF_* environment variables (or `handoff serve` flags
 # appended to `docker run`); see README.md, "Deploying".
@@ -35,7 +35,7 @@ RUN groupadd --system --gid 10001 handoff \
        --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin handoff
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python -m venv /opt/handoff \
-    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "handoff[server,otel]" \
+    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "kv-handoff[server,otel]" \
     && install --directory --owner=10001 --group=10001 --mode=0700 /var/lib/handoff
 WORKDIR /opt/handoff
 # Numeric, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.

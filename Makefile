@@ -47,7 +47,7 @@ $(SDK_STAMP): pyproject.toml Makefile
 # coordinator run from .venv as a separate process.
 test-sdk: wheel $(SDK_STAMP)
 	$(SDK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-		--force-reinstall $(WHEELS)/handoff-*.whl
+		--force-reinstall $(WHEELS)/kv_handoff-*.whl
 	$(SDK_VENV)/bin/python -m pip check
 	HANDOFF_SDK_ONLY=1 HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
 		$(SDK_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/sdk tests/sdk
@@ -62,12 +62,12 @@ test-pythons: wheel
 		if [ ! -f $$venv/.installed ] || [ pyproject.toml -nt $$venv/.installed ]; then \
 			$$python -m venv --clear $$venv; \
 			$$venv/bin/python -m pip install --quiet --disable-pip-version-check \
-				"$$(echo $(WHEELS)/handoff-*.whl)[server]" \
+				"$$(echo $(WHEELS)/kv_handoff-*.whl)[server]" \
 				'pytest==9.*' pytest-asyncio==1.5.0 'pytest-timeout==2.*'; \
 			touch $$venv/.installed; \
 		fi; \
 		$$venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
-			--force-reinstall $(WHEELS)/handoff-*.whl; \
+			--force-reinstall $(WHEELS)/kv_handoff-*.whl; \
 		HANDOFF_COORDINATOR="$(abspath $$venv)/bin/handoff" \
 			$$venv/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/sdk tests/sdk; \
 	done
@@ -85,7 +85,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.service
 
-# Regenerate client/handoff/v1 with the pinned generator (handoff_server/stubs.py).
+# Regenerate client/handoff_proto/v1 with the pinned generator (handoff_server/stubs.py).
 stubs: $(STAMP)
 	$(BIN)/python -m handoff_server.stubs --write
 

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.serve import loop_factory
 from handoff_server.servicer import reports_of
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client.placement import place
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:  # the async stub type exists only for the type checker
     Stub = pb_grpc.HandoffCoordinatorAsyncStub

@@ -26,7 +26,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
-from handoff.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server import convert
 from handoff_server.app import Server
 

@@ -12,8 +12,8 @@ from typing import TypeAlias
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.conformance import Answer, FactStep, OutcomeStep, StartStep
 from handoff_server.model import (
     Action,

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 # Only the stubs' .pyi knows the async stub type.
 Stub: TypeAlias = "pb_grpc.HandoffCoordinatorAsyncStub"

@@ -17,7 +17,7 @@ import pytest
 
 from handoff_client import EngineType, HandoffClient
 from handoff_server import config
-from handoff_server.cli import main
+from handoff_server.cli import DISTRIBUTION, main
 
 SERVE = [sys.executable, "-m", "handoff_server.cli", "serve"]
 LINK = "tcp://10.96.0.12:50051"  # what Kubernetes sets for a Service named "handoff"
@@ -27,7 +27,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
     assert exited.value.code == 0
-    assert capsys.readouterr().out == f"handoff {version('handoff')}\n"
+    assert capsys.readouterr().out == f"handoff {version(DISTRIBUTION)}\n"
 
 
 def test_an_unknown_serve_argument_prints_serves_usage(capsys: pytest.CaptureFixture[str]) -> None:

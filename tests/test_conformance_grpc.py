@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.conformance import Failure, StartStep, Vector, mismatch, step_op
 from handoff_server.model import Action, ActionKind

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from tests.grpc_support import APPLIED, HELD, SOURCE, SUBMITTED, ConnectEngine, Stub, start_request
 

@@ -25,7 +25,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from handoff.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.config import Settings
 from tests.deploy_support import DOCKERFILE, ROOT, tool
 from tests.security_support import make_pki
@@ -91,7 +91,7 @@ def test_the_image_is_built_as_the_issue_asks() -> None:
     # The otel extra, so that HANDOFF_OTLP_ENDPOINT in the ConfigMap works as is;
     # the install test below builds and installs the same extras.
     assert any('".[server,otel]"' in i for i in build)
-    assert all('"handoff[server,otel]"' in i for i in install)
+    assert all('"kv-handoff[server,otel]"' in i for i in install)
     assert not any(re.search(r"apt-get|gcc|build-essential", i) for i in final)
     assert "ENV" in {i.split()[0] for i in final}
     assert "PYTHONUNBUFFERED=1" in text
@@ -226,9 +226,9 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
         check=True,
         timeout=180,
     )
-    assert len(list(wheels.glob("handoff-*.whl"))) == 1
+    assert len(list(wheels.glob("kv_handoff-*.whl"))) == 1
     # Final stage: python -m venv;
-    # pip install --no-index --find-links=/wheels "handoff[server,otel]"
+    # pip install --no-index --find-links=/wheels "kv-handoff[server,otel]"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run(
@@ -240,13 +240,17 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
             "--no-index",
             "--find-links",
             str(wheels),
-            "handoff[server,otel]",
+            "kv-handoff[server,otel]",
         ],
         check=True,
         timeout=180,
     )
     located = subprocess.run(
-        [str(python), "-c", "import handoff_server, handoff.v1; print(handoff_server.__file__)"],
+        [
+            str(python),
+            "-c",
+            "import handoff_server, handoff_proto.v1; print(handoff_server.__file__)",
+        ],
         capture_output=True,
         text=True,
         check=True,

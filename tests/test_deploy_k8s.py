@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from handoff.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.config import Settings
 from tests.deploy_support import DOCKERFILE, K8S, ROOT, load_yaml, missing, rule_groups, tool
 

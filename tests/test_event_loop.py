@@ -9,8 +9,8 @@ import uuid
 import grpc
 
 from bench.procs import ServerProcess
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 
 async def start_and_read(target: str) -> pb.Handoff:

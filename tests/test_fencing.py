@@ -11,8 +11,8 @@ from typing import Any, TypeAlias
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from tests.grpc_support import DESTINATION, SOURCE, ConnectEngine, StreamRecorder
 

@@ -24,8 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from tests.conftest import StartServer, streams_until
 from tests.fuzz_support import (

@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert
 from handoff_server.app import Server
 from handoff_server.journal import DATABASE, Journal

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.logs import JsonFormatter, TextFormatter
 from tests.attack_support import serving
 from tests.security_support import make_pki

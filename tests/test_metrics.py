@@ -18,8 +18,8 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from tests.grpc_support import CANCELED, start_request, succeed
 

@@ -1,4 +1,4 @@
-"""What `pip install handoff` promises, kept in step with what CI proves."""
+"""What `pip install kv-handoff` promises, kept in step with what CI proves."""
 
 from __future__ import annotations
 
@@ -60,3 +60,25 @@ def test_the_sdk_imports_nothing_of_the_server() -> None:
         if re.search(r"^\s*(from|import) handoff_server\b", path.read_text(), re.MULTILINE)
     ]
     assert importing == []
+
+
+def test_the_distribution_has_a_name_of_its_own() -> None:
+    """`handoff` on PyPI is an unrelated project that ships a `handoff` module too."""
+    from handoff_server.cli import DISTRIBUTION
+
+    assert PROJECT["name"] == DISTRIBUTION == "kv-handoff"
+    tops = {p.name for p in (ROOT / "client").iterdir() if (p / "__init__.py").exists()}
+    tops |= {p.name for p in (ROOT / "server").iterdir() if (p / "__init__.py").exists()}
+    assert "handoff" not in tops
+    assert (ROOT / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+
+
+def test_the_version_is_the_same_everywhere() -> None:
+    """pyproject's version heads the changelog and tags the image the manifests run."""
+    version = PROJECT["version"]
+    (top,) = re.findall(r"^## (\d+\.\d+\.\d+)", (ROOT / "CHANGELOG.md").read_text(), re.M)[:1]
+    assert top == version
+    deploy = ROOT / "deploy" / "k8s"
+    assert f"image: handoff:{version}" in (deploy / "statefulset.yaml").read_text()
+    assert f"newTag: {version}" in (deploy / "kustomization.yaml").read_text()
+    assert f"handoff:{version} ." in (ROOT / "Dockerfile").read_text()

@@ -20,13 +20,13 @@ from typing import Any
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client import HandoffClient, Order, routing
 from handoff_client import placement as placement_module
 from handoff_client.errors import MisroutedError, NotFoundError, error_for
 from handoff_client.placement import ShardInfo, ShardMap, place
 from handoff_client.retry import Backoff, RetryPolicy
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import cli, serve
 from handoff_server.app import Server
 from handoff_server.config import Settings

@@ -26,13 +26,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client import APPLIED, SUBMITTED, ActionKind, HandoffClient, Order
 from handoff_client.errors import NotFoundError
 from handoff_client.model import Completion, Phase
 from handoff_client.placement import place
 from handoff_client.retry import Backoff, RetryPolicy
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import FAST_RECONNECT, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,6 @@ from typing import Any
 import grpc
 import pytest
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client import (
     SUBMITTED,
     Action,
@@ -37,6 +35,8 @@ from handoff_client import (
 from handoff_client.errors import FENCE_KEY, OlderIncarnationError
 from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.transport import TRANSPORT_KINDS
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from tests.sidecar_support import QUICK, SOURCE, TIMEOUT_S, ScriptedEngine, running
 

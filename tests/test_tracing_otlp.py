@@ -16,9 +16,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as collecto
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as collector_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client import HandoffClient
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.app import Server
 from handoff_server.config import Settings
 from tests.conftest import LOOPBACK

@@ -26,8 +26,6 @@ from typing import Self, TypeVar
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client import tracing
 from handoff_client.convert import (
     action_from_pb,
@@ -62,6 +60,8 @@ from handoff_client.model import (
 from handoff_client.placement import ShardInfo, ShardMap
 from handoff_client.retry import RetryPolicy
 from handoff_client.routing import REFRESH_S, Router
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 # Which failures each kind of call retries; a call retried on
 # DEADLINE_EXCEEDED gives every attempt the whole deadline.

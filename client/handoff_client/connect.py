@@ -41,7 +41,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
 from handoff_client.client import HandoffClient
 from handoff_client.convert import action_from_pb, fact_to_pb, outcome_to_pb
 from handoff_client.errors import (
@@ -54,6 +53,7 @@ from handoff_client.errors import (
 from handoff_client.liveness import Liveness
 from handoff_client.model import Action, Fact, Outcome
 from handoff_client.onshard import OnShard, ReconcilesOnShard
+from handoff_proto.v1 import coordinator_pb2 as pb
 
 # Actions read ahead of the sidecar. Past this the reader stops and leaves the
 # rest to gRPC flow control and the server's queue, as StreamActions does.

@@ -11,7 +11,6 @@ from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from handoff.v1 import coordinator_pb2 as pb
 from handoff_client.model import (
     Action,
     ActionKind,
@@ -33,6 +32,7 @@ from handoff_client.model import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_proto.v1 import coordinator_pb2 as pb
 
 _ACTION_KINDS = {kind.value for kind in ActionKind}
 _ROLES = {role.value for role in Role}

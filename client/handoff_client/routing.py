@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_client.errors import HandoffRpcError, UnimplementedError
 from handoff_client.placement import ShardMap
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
 OWNERS_REMEMBERED = 100_000
 REFRESH_S = 10.0

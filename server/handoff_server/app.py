@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import security, tracing
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint

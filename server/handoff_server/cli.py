@@ -1,6 +1,6 @@
 """The `handoff` command: one subcommand per job, each in its own module.
 
-`pip install handoff` brings only the SDK's dependencies. The commands that
+`pip install kv-handoff` brings only the SDK's dependencies. The commands that
 need the server's (serve, health, sim, demo) are still listed then, and say
 how to get them instead of failing with an ImportError.
 """
@@ -22,12 +22,14 @@ COMMANDS = {
     "sim": "handoff_client.sim.cli",
     "demo": "handoff_server.demo",
 }
-SERVER_EXTRA = "pip install 'handoff[server]'"
+# Our PyPI name: `handoff` there is an unrelated project.
+DISTRIBUTION = "kv-handoff"
+SERVER_EXTRA = f"pip install '{DISTRIBUTION}[server]'"
 
 
 def installed_version() -> str:
     try:
-        return version("handoff")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
 

@@ -229,7 +229,7 @@ class Settings:
                 )
         if self.otlp_endpoint and importlib.util.find_spec("opentelemetry.sdk") is None:
             raise ValueError(
-                "otlp_endpoint needs OpenTelemetry: pip install 'handoff[server,otel]'"
+                "otlp_endpoint needs OpenTelemetry: pip install 'kv-handoff[server,otel]'"
             )
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:

@@ -10,7 +10,7 @@ import re
 import uuid
 from collections.abc import Iterable
 
-from handoff.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.delivery import Dispatch, Role
 from handoff_server.entries import Entry, Retained, StartRequest
 from handoff_server.model import (

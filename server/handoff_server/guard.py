@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server import security
 from handoff_server.config import Settings
 from handoff_server.convert import ENGINE_ID

@@ -23,8 +23,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from handoff.v1 import coordinator_pb2 as pb
-from handoff.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
 from handoff_server.delivery import Dispatch, Fenced, Subscription
 from handoff_server.journal import JournalFailed

@@ -1,4 +1,4 @@
-"""Generate the Python stubs in client/handoff/v1 from proto/.
+"""Generate the Python stubs in client/handoff_proto/v1 from proto/.
 
 `python -m handoff_server.stubs --write` regenerates the committed stubs;
 `--check` exits 1 when they have drifted from the proto.
@@ -25,7 +25,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 STUB_ROOT = ROOT / "client"
-PROTOS = ("handoff/v1/coordinator.proto",)
+# The .proto stays at proto/handoff/v1 (its package, handoff.v1, is the wire
+# name); protoc sees it at handoff_proto/v1, so the Python modules land in a
+# package of ours instead of a top-level `handoff` that PyPI's unrelated
+# `handoff` project also ships.
+PROTO_DIR = "handoff/v1"
+STUB_DIR = "handoff_proto/v1"
+PROTOS = (f"{STUB_DIR}/coordinator.proto",)
 GENERATED = (
     "coordinator_pb2.py",
     "coordinator_pb2.pyi",
@@ -56,7 +62,7 @@ def generate(out: Path) -> None:
         str(toolchain()),
         "-m",
         "grpc_tools.protoc",  # adds grpc_tools' well-known protos to the path
-        f"-I{PROTO_ROOT}",
+        f"-I{STUB_DIR}={PROTO_ROOT / PROTO_DIR}",
         f"--python_out={out}",
         f"--grpc_python_out={out}",
         # mypy-protobuf's stubs, unlike protoc's own --pyi_out, type enums
@@ -76,8 +82,8 @@ def drifted() -> list[str]:
     """Names of committed stubs that differ from freshly generated ones."""
     with tempfile.TemporaryDirectory() as scratch:
         generate(Path(scratch))
-        fresh = Path(scratch) / "handoff" / "v1"
-        committed = STUB_ROOT / "handoff" / "v1"
+        fresh = Path(scratch) / STUB_DIR
+        committed = STUB_ROOT / STUB_DIR
         return [
             name
             for name in GENERATED
@@ -103,7 +109,7 @@ def main() -> int:
         return 0
     stale = drifted()
     for name in stale:
-        print(f"drifted from proto/: client/handoff/v1/{name}", file=sys.stderr)
+        print(f"drifted from proto/: client/{STUB_DIR}/{name}", file=sys.stderr)
     return 1 if stale else 0
 
 

@@ -274,7 +274,7 @@ def from_settings(endpoint: str, environ: Mapping[str, str] = os.environ) -> Tra
         # Only the environment asked (--otlp-endpoint is checked in config).
         log.warning(
             "OTEL_EXPORTER_OTLP_ENDPOINT is set but OpenTelemetry is not installed; "
-            "tracing off (pip install 'handoff[server,otel]')"
+            "tracing off (pip install 'kv-handoff[server,otel]')"
         )
         return OFF
     # The SDK's default sampler follows the parent's decision (ParentBased,

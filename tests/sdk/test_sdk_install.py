@@ -38,7 +38,7 @@ def test_server_commands_say_the_server_extra_is_needed(command: str) -> None:
     done = handoff(command, "--port", "1")
     assert done.returncode == 2
     assert f"handoff {command}: needs the server's dependencies" in done.stderr
-    assert "pip install 'handoff[server]'" in done.stderr
+    assert "pip install 'kv-handoff[server]'" in done.stderr
     assert "Traceback" not in done.stderr
 
 

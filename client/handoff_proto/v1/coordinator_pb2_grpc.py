@@ -2,7 +2,7 @@
 """Client and server classes corresponding to protobuf-defined services."""
 import grpc
 
-from handoff.v1 import coordinator_pb2 as handoff_dot_v1_dot_coordinator__pb2
+from handoff_proto.v1 import coordinator_pb2 as handoff__proto_dot_v1_dot_coordinator__pb2
 
 
 class HandoffCoordinatorStub(object):
@@ -16,43 +16,43 @@ class HandoffCoordinatorStub(object):
         """
         self.StartHandoff = channel.unary_unary(
                 '/handoff.v1.HandoffCoordinator/StartHandoff',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.StartHandoffRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.StartHandoffResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.StartHandoffRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.StartHandoffResponse.FromString,
                 )
         self.ReportFact = channel.unary_unary(
                 '/handoff.v1.HandoffCoordinator/ReportFact',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.ReportFactRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReportFactResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportFactRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportFactResponse.FromString,
                 )
         self.ReportOutcome = channel.unary_unary(
                 '/handoff.v1.HandoffCoordinator/ReportOutcome',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.ReportOutcomeRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReportOutcomeResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportOutcomeRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportOutcomeResponse.FromString,
                 )
         self.StreamActions = channel.unary_stream(
                 '/handoff.v1.HandoffCoordinator/StreamActions',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.StreamActionsRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.Action.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.StreamActionsRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.Action.FromString,
                 )
         self.Connect = channel.stream_stream(
                 '/handoff.v1.HandoffCoordinator/Connect',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.ConnectRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.ConnectResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ConnectResponse.FromString,
                 )
         self.GetHandoff = channel.unary_unary(
                 '/handoff.v1.HandoffCoordinator/GetHandoff',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetHandoffRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetHandoffResponse.FromString,
                 )
         self.Reconcile = channel.unary_unary(
                 '/handoff.v1.HandoffCoordinator/Reconcile',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReconcileRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReconcileResponse.FromString,
                 )
         self.GetShardMap = channel.unary_unary(
                 '/handoff.v1.HandoffCoordinator/GetShardMap',
-                request_serializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
-                response_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapResponse.FromString,
+                request_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetShardMapResponse.FromString,
                 )
 
 
@@ -136,43 +136,43 @@ def add_HandoffCoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'StartHandoff': grpc.unary_unary_rpc_method_handler(
                     servicer.StartHandoff,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.StartHandoffRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.StartHandoffResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.StartHandoffRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.StartHandoffResponse.SerializeToString,
             ),
             'ReportFact': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFact,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReportFactRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.ReportFactResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportFactRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportFactResponse.SerializeToString,
             ),
             'ReportOutcome': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportOutcome,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReportOutcomeRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.ReportOutcomeResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportOutcomeRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReportOutcomeResponse.SerializeToString,
             ),
             'StreamActions': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamActions,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.StreamActionsRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.Action.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.StreamActionsRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.Action.SerializeToString,
             ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.ConnectRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.ConnectResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ConnectRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ConnectResponse.SerializeToString,
             ),
             'GetHandoff': grpc.unary_unary_rpc_method_handler(
                     servicer.GetHandoff,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.GetHandoffResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetHandoffRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetHandoffResponse.SerializeToString,
             ),
             'Reconcile': grpc.unary_unary_rpc_method_handler(
                     servicer.Reconcile,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.ReconcileResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReconcileRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.ReconcileResponse.SerializeToString,
             ),
             'GetShardMap': grpc.unary_unary_rpc_method_handler(
                     servicer.GetShardMap,
-                    request_deserializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapRequest.FromString,
-                    response_serializer=handoff_dot_v1_dot_coordinator__pb2.GetShardMapResponse.SerializeToString,
+                    request_deserializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.FromString,
+                    response_serializer=handoff__proto_dot_v1_dot_coordinator__pb2.GetShardMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -196,8 +196,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/StartHandoff',
-            handoff_dot_v1_dot_coordinator__pb2.StartHandoffRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.StartHandoffResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.StartHandoffRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.StartHandoffResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -213,8 +213,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/ReportFact',
-            handoff_dot_v1_dot_coordinator__pb2.ReportFactRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.ReportFactResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ReportFactRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ReportFactResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -230,8 +230,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/ReportOutcome',
-            handoff_dot_v1_dot_coordinator__pb2.ReportOutcomeRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.ReportOutcomeResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ReportOutcomeRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ReportOutcomeResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -247,8 +247,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_stream(request, target, '/handoff.v1.HandoffCoordinator/StreamActions',
-            handoff_dot_v1_dot_coordinator__pb2.StreamActionsRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.Action.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.StreamActionsRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.Action.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -264,8 +264,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.stream_stream(request_iterator, target, '/handoff.v1.HandoffCoordinator/Connect',
-            handoff_dot_v1_dot_coordinator__pb2.ConnectRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.ConnectResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ConnectRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ConnectResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -281,8 +281,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/GetHandoff',
-            handoff_dot_v1_dot_coordinator__pb2.GetHandoffRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.GetHandoffResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.GetHandoffRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.GetHandoffResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -298,8 +298,8 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/Reconcile',
-            handoff_dot_v1_dot_coordinator__pb2.ReconcileRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.ReconcileResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ReconcileRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.ReconcileResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -315,7 +315,7 @@ class HandoffCoordinator(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/handoff.v1.HandoffCoordinator/GetShardMap',
-            handoff_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
-            handoff_dot_v1_dot_coordinator__pb2.GetShardMapResponse.FromString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.GetShardMapRequest.SerializeToString,
+            handoff__proto_dot_v1_dot_coordinator__pb2.GetShardMapResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

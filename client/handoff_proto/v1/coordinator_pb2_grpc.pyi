@@ -12,7 +12,7 @@ canceled, exactly once, whatever fails.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from handoff.v1 import coordinator_pb2 as _coordinator_pb2
+from handoff_proto.v1 import coordinator_pb2 as _coordinator_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys
