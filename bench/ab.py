@@ -25,7 +25,7 @@ from bench.service import drive, label, load_average, say
 # The server of another checkout: its packages first on the path, then its CLI.
 BASELINE = (
     "import runpy, sys; sys.path[:0] = sys.argv[1:3]; del sys.argv[1:3]; "
-    "runpy.run_module('handoff_server.cli', run_name='__main__', alter_sys=True)"
+    "runpy.run_module('handoff_server.commands.cli', run_name='__main__', alter_sys=True)"
 )
 
 

@@ -50,11 +50,8 @@ from bench.ab import baseline_server
 from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, percentile, say
-from handoff_server.config import Settings
-from handoff_server.entries import Retained, StartRequest
-from handoff_server.journal import DATABASE, Journal
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.model import (
     DestinationReserved,
     Order,
     Outcome,
@@ -64,8 +61,12 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import Registry
+from handoff_server.durability.journal import DATABASE, Journal
+from handoff_server.durability.records import JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
 
 WAYS = {"history (format 1)": False, "snapshots (format 2)": True}
 MODES = {
@@ -271,11 +272,11 @@ def build(state_dir: Path, live: int, retained: int, snapshots: bool) -> int:
 REPLAY = """
 import json, sys, time
 from pathlib import Path
-from handoff_server.config import Settings
-from handoff_server.journal import Journal
-from handoff_server.metrics import Metrics
-from handoff_server.recovery import ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.ops.config import Settings
+from handoff_server.durability.journal import Journal
+from handoff_server.ops.metrics import Metrics
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.domain.registry import Registry
 wall, cpu = time.monotonic(), time.process_time()
 journal = Journal.open(Path(sys.argv[1]))
 opened = time.monotonic() - wall

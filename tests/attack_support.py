@@ -127,7 +127,7 @@ async def _start(folder: Path, flags: tuple[str, ...]) -> Served:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "handoff_server.cli",
+            "handoff_server.commands.cli",
             "serve",
             *argv,
             stdout=sink,

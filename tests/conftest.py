@@ -12,10 +12,10 @@ import pytest
 
 from handoff_client import HandoffClient, TransportKind
 from handoff_client.transport import TRANSPORT_KINDS
-from handoff_server import app
-from handoff_server.app import Server
-from handoff_server.config import Settings
-from handoff_server.guard import EngineStreams
+from handoff_server.ops.config import Settings
+from handoff_server.service import app
+from handoff_server.service.app import Server
+from handoff_server.service.guard import EngineStreams
 from tests.sidecar_support import TIMEOUT_S as SIDECAR_TIMEOUT_S
 
 StartServer = Callable[..., Awaitable[Server]]

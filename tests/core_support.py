@@ -7,8 +7,8 @@ import math
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from handoff_server.core import Handoff
-from handoff_server.model import (
+from handoff_server.domain.core import Handoff
+from handoff_server.domain.model import (
     ALLOWED_OUTCOMES,
     Action,
     ActionKind,
@@ -24,7 +24,7 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
-    Side,
+    Role,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -131,27 +131,27 @@ facts: st.SearchStrategy[Fact] = st.one_of(
     st.builds(DestinationReserved, st.integers(0, 1 << 62)),
     st.just(TransferCompleted()),
     st.sampled_from([Failed(), TimedOut(), Canceled()]),
-    st.builds(EngineLost, st.sampled_from(list(Side))),
+    st.builds(EngineLost, st.sampled_from(list(Role))),
 )
 LOST_EVENT = {
-    Side.SOURCE: LifecycleEvent.SOURCE_LOST,
-    Side.DESTINATION: LifecycleEvent.DESTINATION_LOST,
+    Role.SOURCE: LifecycleEvent.SOURCE_LOST,
+    Role.DESTINATION: LifecycleEvent.DESTINATION_LOST,
 }
 # Every action but the Complete notice goes to one side (StartTransfer: whichever
 # executes it, so neither may be lost when it is issued).
 SIDES_OF = {
-    ActionKind.SUBMIT_PREFILL: {Side.SOURCE},
-    ActionKind.RELEASE_SOURCE: {Side.SOURCE},
-    ActionKind.CANCEL_SOURCE: {Side.SOURCE},
-    ActionKind.RESERVE_DESTINATION: {Side.DESTINATION},
-    ActionKind.ACTIVATE_DESTINATION: {Side.DESTINATION},
-    ActionKind.CANCEL_DESTINATION: {Side.DESTINATION},
-    ActionKind.START_TRANSFER: {Side.SOURCE, Side.DESTINATION},
+    ActionKind.SUBMIT_PREFILL: {Role.SOURCE},
+    ActionKind.RELEASE_SOURCE: {Role.SOURCE},
+    ActionKind.CANCEL_SOURCE: {Role.SOURCE},
+    ActionKind.RESERVE_DESTINATION: {Role.DESTINATION},
+    ActionKind.ACTIVATE_DESTINATION: {Role.DESTINATION},
+    ActionKind.CANCEL_DESTINATION: {Role.DESTINATION},
+    ActionKind.START_TRANSFER: {Role.SOURCE, Role.DESTINATION},
     ActionKind.COMPLETE: set(),
 }
 
 
-def lost_sides(handoff: Handoff) -> set[Side]:
+def lost_sides(handoff: Handoff) -> set[Role]:
     return {side for side, event in LOST_EVENT.items() if event in handoff.lifecycle}
 
 
@@ -196,7 +196,7 @@ class HandoffMachine(RuleBasedStateMachine):
         assert len(completes) <= 1
         if completes:
             if phase_before is Phase.COMPLETE:  # only a lost decode completes twice in one call
-                assert args == (EngineLost(Side.DESTINATION),)
+                assert args == (EngineLost(Role.DESTINATION),)
             assert self.handoff.phase is Phase.COMPLETE
             assert self.handoff.completion is not None
             self.completions.append(self.handoff.completion)
@@ -253,8 +253,8 @@ class HandoffMachine(RuleBasedStateMachine):
             return
         before = handoff.snapshot()
         checkpoint = handoff.checkpoint()
-        handoff.apply_fact(EngineLost(Side.SOURCE))
-        handoff.apply_fact(EngineLost(Side.DESTINATION))
+        handoff.apply_fact(EngineLost(Role.SOURCE))
+        handoff.apply_fact(EngineLost(Role.DESTINATION))
         assert (handoff.phase, handoff.completion) == (Phase.COMPLETE, Completion.CANCELED)
         handoff.restore(checkpoint)
         assert handoff.snapshot() == before
@@ -306,11 +306,11 @@ class HandoffMachine(RuleBasedStateMachine):
 
         kinds = {a.kind for a in self.issued}
         lost = lost_sides(self.handoff)
-        if ActionKind.SUBMIT_PREFILL in kinds and Side.SOURCE not in lost:
+        if ActionKind.SUBMIT_PREFILL in kinds and Role.SOURCE not in lost:
             assert acknowledged(ActionKind.RELEASE_SOURCE) or acknowledged(ActionKind.CANCEL_SOURCE)
         if self.handoff.completion is Completion.SUCCESS:
-            assert Side.DESTINATION not in lost
-        if ActionKind.RESERVE_DESTINATION in kinds and Side.DESTINATION not in lost:
+            assert Role.DESTINATION not in lost
+        if ActionKind.RESERVE_DESTINATION in kinds and Role.DESTINATION not in lost:
             if self.handoff.completion is Completion.SUCCESS:
                 assert acknowledged(ActionKind.ACTIVATE_DESTINATION)
             else:

@@ -27,8 +27,8 @@ from google.protobuf.message import Message
 from hypothesis import strategies as st
 
 from handoff_proto.v1 import coordinator_pb2 as pb
-from handoff_server import convert
-from handoff_server.app import Server
+from handoff_server.service import convert
+from handoff_server.service.app import Server
 
 T = TypeVar("T")
 

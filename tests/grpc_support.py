@@ -14,8 +14,8 @@ import grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.conformance import Answer, FactStep, OutcomeStep, StartStep
-from handoff_server.model import (
+from handoff_server.commands.conformance import Answer, FactStep, OutcomeStep, StartStep
+from handoff_server.domain.model import (
     Action,
     ActionKind,
     Canceled,
@@ -26,7 +26,7 @@ from handoff_server.model import (
     Failed,
     Order,
     Outcome,
-    Side,
+    Role,
     SourceHeld,
     TimedOut,
     TimingMode,
@@ -65,7 +65,7 @@ def fact_message(fact: Fact) -> pb.Fact:
     if isinstance(fact, TimedOut):
         return pb.Fact(timed_out=pb.TimedOut())
     if isinstance(fact, EngineLost):
-        role = pb.ROLE_SOURCE if fact.role is Side.SOURCE else pb.ROLE_DESTINATION
+        role = pb.ROLE_SOURCE if fact.role is Role.SOURCE else pb.ROLE_DESTINATION
         return pb.Fact(engine_lost=pb.EngineLost(role=role))
     assert isinstance(fact, Canceled)
     return pb.Fact(canceled=pb.Canceled(reason="test"))

@@ -15,13 +15,9 @@ import random
 import sys
 from pathlib import Path
 
-from handoff_server import convert
-from handoff_server.config import Settings
-from handoff_server.delivery import Role, Subscription
-from handoff_server.entries import Entry, StartRequest
-from handoff_server.journal import Journal
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.delivery import Subscription
+from handoff_server.domain.entries import Entry, StartRequest
+from handoff_server.domain.model import (
     Canceled,
     DestinationReserved,
     EngineLost,
@@ -31,14 +27,19 @@ from handoff_server.model import (
     Order,
     Outcome,
     OutcomeKind,
-    Side,
+    Role,
     SourceHeld,
     TimingMode,
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import Registry
+from handoff_server.durability.journal import Journal
+from handoff_server.durability.records import JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
+from handoff_server.service import convert
 
 START = 1_800_000_000.0
 SETTINGS = Settings(
@@ -57,8 +58,8 @@ FACTS: list[Fact] = [
     TransferCompleted(),
     Failed(),
     Canceled(),
-    EngineLost(Side.SOURCE),
-    EngineLost(Side.DESTINATION),
+    EngineLost(Role.SOURCE),
+    EngineLost(Role.DESTINATION),
 ]
 OUTCOMES = [Outcome(kind) for kind in OutcomeKind if kind is not OutcomeKind.FAILED] + [
     Outcome(OutcomeKind.FAILED, "engine said no")
@@ -108,7 +109,7 @@ def run(registry: Registry, clock: Clock, journal: Journal | None, steps: int = 
         clock.now += 0.25
         if i % 5 == 0:
             with contextlib.suppress(HandoffError):
-                registry.report_fact(handoff_id, EngineLost(Side.DESTINATION))
+                registry.report_fact(handoff_id, EngineLost(Role.DESTINATION))
     for _ in range(steps):
         op = rng.choices(
             ["start", "fact", "outcome", "stream", "take", "time"], [3, 4, 6, 1, 2, 1]

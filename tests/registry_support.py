@@ -5,11 +5,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from handoff_server.config import Settings
-from handoff_server.delivery import Dispatch, Subscription
-from handoff_server.entries import StartRequest
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.delivery import Dispatch, Subscription
+from handoff_server.domain.entries import StartRequest
+from handoff_server.domain.model import (
     ActionKind,
     Completion,
     DestinationReserved,
@@ -22,7 +20,9 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import Registry
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
 
 SOURCE, DESTINATION = "prefill-a", "decode-b"
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 1000, 1_000_000, 1.0)  # 1000 ms transfer

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_server.conformance import Vector, load_vectors
+from handoff_server.commands.conformance import Vector, load_vectors
 
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS_DIR = Path(os.environ.get("HANDOFF_VECTORS_DIR", ROOT / "tests" / "conformance"))
@@ -35,7 +35,7 @@ def serve_process(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
     command = [
         sys.executable,
         "-m",
-        "handoff_server.cli",
+        "handoff_server.commands.cli",
         "serve",
         "--port",
         str(port),

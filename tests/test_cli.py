@@ -16,10 +16,10 @@ from importlib.metadata import version
 import pytest
 
 from handoff_client import EngineType, HandoffClient
-from handoff_server import config
-from handoff_server.cli import DISTRIBUTION, main
+from handoff_server.commands.cli import DISTRIBUTION, main
+from handoff_server.ops import config
 
-SERVE = [sys.executable, "-m", "handoff_server.cli", "serve"]
+SERVE = [sys.executable, "-m", "handoff_server.commands.cli", "serve"]
 LINK = "tcp://10.96.0.12:50051"  # what Kubernetes sets for a Service named "handoff"
 
 

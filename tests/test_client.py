@@ -39,7 +39,7 @@ from handoff_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 from tests.security_support import Pki, make_pki
 

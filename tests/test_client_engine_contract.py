@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from handoff_client import Completion, Handoff
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "engine-contract.md"
 TIMEOUT_S = 10.0

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from handoff_server import config
-from handoff_server.cli import build_parser
+from handoff_server.commands.cli import build_parser
+from handoff_server.ops import config
 
 
 def parse(argv: list[str], environ: dict[str, str]) -> config.Settings:

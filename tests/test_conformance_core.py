@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_server.conformance import run_on_core
+from handoff_server.commands.conformance import run_on_core
 from tests.support import LOST_VECTORS, VECTORS, all_vectors
 
 

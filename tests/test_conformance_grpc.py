@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
-from handoff_server.conformance import Failure, StartStep, Vector, mismatch, step_op
-from handoff_server.model import Action, ActionKind
+from handoff_server.commands.conformance import Failure, StartStep, Vector, mismatch, step_op
+from handoff_server.domain.model import Action, ActionKind
+from handoff_server.service.app import Server
 from tests.grpc_support import (
     DESTINATION,
     SOURCE,

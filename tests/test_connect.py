@@ -11,7 +11,7 @@ import pytest
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.grpc_support import APPLIED, HELD, SOURCE, SUBMITTED, ConnectEngine, Stub, start_request
 
 

@@ -1,4 +1,4 @@
-"""Coordinator processes (handoff_server.coordinators): real `handoff serve` processes,
+"""Coordinator processes (handoff_server.commands.coordinators): real `handoff serve` processes,
 started until they serve, killed with SIGKILL, restarted on the same port and state dir."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from handoff_client import EngineType, HandoffClient, Phase
 from handoff_client.errors import UnavailableError
 from handoff_client.retry import RetryPolicy
 from handoff_client.sim.scrape import scrape
-from handoff_server.config import Settings
-from handoff_server.coordinators import (
+from handoff_server.commands.coordinators import (
     CoordinatorError,
     CoordinatorProcess,
     coordinators,
     serve_flags,
 )
+from handoff_server.ops.config import Settings
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = Settings(drain_grace_s=0.5)
@@ -186,7 +186,7 @@ async def test_a_second_coordinator_on_a_taken_port_refuses_to_start(tmp_path: P
         second = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "handoff_server.cli",
+            "handoff_server.commands.cli",
             "serve",
             "--host=127.0.0.1",
             f"--port={first.port}",

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from handoff_server.core import Handoff
-from handoff_server.model import (
+from handoff_server.domain.core import Handoff
+from handoff_server.domain.model import (
     ActionKind,
     Canceled,
     Completion,

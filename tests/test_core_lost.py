@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from handoff_server.core import Handoff, Settlement
-from handoff_server.model import (
+from handoff_server.domain.core import Handoff, Settlement
+from handoff_server.domain.model import (
     Action,
     ActionKind,
     Canceled,
@@ -19,7 +19,7 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
-    Side,
+    Role,
 )
 from tests.core_support import (
     APPLIED,
@@ -34,8 +34,8 @@ from tests.core_support import (
     transferred,
 )
 
-SOURCE_LOST = EngineLost(Side.SOURCE)
-DESTINATION_LOST = EngineLost(Side.DESTINATION)
+SOURCE_LOST = EngineLost(Role.SOURCE)
+DESTINATION_LOST = EngineLost(Role.DESTINATION)
 ORDERS = pytest.mark.parametrize("order", list(Order))
 
 

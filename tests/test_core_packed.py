@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from handoff_server.conformance import (
+from handoff_server.commands.conformance import (
     Answer,
     FactStep,
     StartStep,
     Vector,
     mismatch,
 )
-from handoff_server.core import Handoff
-from handoff_server.model import (
+from handoff_server.domain.core import Handoff
+from handoff_server.domain.model import (
     Action,
     ActionKind,
     Canceled,
@@ -28,13 +28,13 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
-    Side,
+    Role,
     SourceHeld,
     TimingMode,
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.packing import Ending, pack
+from handoff_server.domain.packing import Ending, pack
 from tests.core_support import (
     APPLIED,
     HandoffMachine,
@@ -65,10 +65,10 @@ def test_unpacking_gives_back_the_same_state_and_the_reads_agree() -> None:
     handoffs = [completed(Order.SOURCE_FIRST), completed(Order.DESTINATION_FIRST)]
     # Lost sides: a success without the source, a success whose decode died.
     source_lost, activate = transferred(Order.SOURCE_FIRST)
-    source_lost.apply_fact(EngineLost(Side.SOURCE))
+    source_lost.apply_fact(EngineLost(Role.SOURCE))
     source_lost.apply_outcome(activate.id, APPLIED)
     decode_lost = completed(Order.DESTINATION_FIRST)
-    decode_lost.apply_fact(EngineLost(Side.DESTINATION))
+    decode_lost.apply_fact(EngineLost(Role.DESTINATION))
     for handoff in [*handoffs, reopened, canceled, source_lost, decode_lost]:
         packed = pack(handoff)
         assert packed.unpack().snapshot() == handoff.snapshot()

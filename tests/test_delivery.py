@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from handoff_server.delivery import Fence, Fenced, Subscription
-from handoff_server.entries import Entry, StartRequest
-from handoff_server.model import (
+from handoff_server.domain.delivery import Fence, Fenced, Subscription
+from handoff_server.domain.entries import Entry, StartRequest
+from handoff_server.domain.model import (
     ActionKind,
     AlreadyExists,
     Canceled,
@@ -23,7 +23,7 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.timers import TimerKind
+from handoff_server.domain.timers import TimerKind
 from tests.registry_support import APPLIED, DESTINATION, SOURCE, SUBMITTED, TIMING, Harness, kinds
 
 ACCEPTED = Outcome(OutcomeKind.ACCEPTED)

@@ -14,11 +14,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from handoff_server.config import Settings
-from handoff_server.delivery import Dispatch, Fenced, Subscription
-from handoff_server.entries import Entry, StartRequest
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.delivery import Dispatch, Fenced, Subscription
+from handoff_server.domain.entries import Entry, StartRequest
+from handoff_server.domain.model import (
     ActionKind,
     Canceled,
     DestinationReserved,
@@ -31,7 +29,9 @@ from handoff_server.model import (
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import Registry
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
 from tests.registry_support import TIMING, FakeClock
 
 ENGINES = ("prefill-a", "decode-b")

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from handoff_client.sim import options
-from handoff_server.cli import build_parser
-from handoff_server.demo import DEFAULTS
+from handoff_server.commands.cli import build_parser
+from handoff_server.commands.demo import DEFAULTS
 from tests.conftest import StartServer
 
 HANDOFF = str(Path(sys.executable).with_name("handoff"))

@@ -26,7 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
-from handoff_server.config import Settings
+from handoff_server.ops.config import Settings
 from tests.deploy_support import DOCKERFILE, ROOT, tool
 from tests.security_support import make_pki
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from handoff_server.cli import main
+from handoff_server.commands.cli import main
 
 SERVICE = "handoff.v1.HandoffCoordinator"
 

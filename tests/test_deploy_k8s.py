@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from handoff_proto.v1 import coordinator_pb2 as pb
-from handoff_server.config import Settings
+from handoff_server.ops.config import Settings
 from tests.deploy_support import DOCKERFILE, K8S, ROOT, load_yaml, missing, rule_groups, tool
 
 KUBERNETES_VERSIONS = ("1.35.0", "1.37.0")  # the oldest and newest minor kubernetes-validate has

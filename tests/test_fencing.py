@@ -13,7 +13,7 @@ import pytest
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.grpc_support import DESTINATION, SOURCE, ConnectEngine, StreamRecorder
 
 Stub: TypeAlias = "pb_grpc.HandoffCoordinatorAsyncStub"

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.conftest import StartServer, streams_until
 from tests.fuzz_support import (
     METHODS,

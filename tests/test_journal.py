@@ -13,11 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from handoff_server.config import Settings
-from handoff_server.entries import StartRequest
-from handoff_server.journal import DATABASE, Journal, NewerFormat, StateDirBusy
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.entries import StartRequest
+from handoff_server.domain.model import (
     DestinationReserved,
     Order,
     Outcome,
@@ -27,11 +24,15 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import Registry
+from handoff_server.durability.journal import DATABASE, Journal, NewerFormat, StateDirBusy
+from handoff_server.durability.records import JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-HANDOFF = [sys.executable, "-m", "handoff_server.cli"]
+HANDOFF = [sys.executable, "-m", "handoff_server.commands.cli"]
 
 
 def rows(state_dir: Path) -> list[tuple[int, str]]:

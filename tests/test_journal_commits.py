@@ -23,7 +23,12 @@ import grpc
 import pytest
 
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.journal import DATABASE, LOOP_BATCH_MAX, WAL_CHECKPOINT_BYTES, Journal
+from handoff_server.durability.journal import (
+    DATABASE,
+    LOOP_BATCH_MAX,
+    WAL_CHECKPOINT_BYTES,
+    Journal,
+)
 from tests.conftest import StartServer
 from tests.grpc_support import SOURCE, StreamRecorder, start_request
 

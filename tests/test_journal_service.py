@@ -18,9 +18,9 @@ import pytest
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import convert
-from handoff_server.app import Server
-from handoff_server.journal import DATABASE, Journal
+from handoff_server.durability.journal import DATABASE, Journal
+from handoff_server.service import convert
+from handoff_server.service.app import Server
 from tests.conftest import StartServer
 from tests.grpc_support import SOURCE, ConnectEngine, StreamRecorder, start_request
 

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import guard, servicer
-from handoff_server.app import Server
-from handoff_server.config import Settings
-from handoff_server.metrics import Metrics
-from handoff_server.registry import Registry
-from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
+from handoff_server.domain.registry import Registry
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
+from handoff_server.service import guard, servicer
+from handoff_server.service.app import Server
+from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.conftest import StartServer, streams_until
 from tests.fuzz_support import REFUSAL_NUMBERS
 from tests.grpc_support import StreamRecorder

@@ -11,7 +11,7 @@ import grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.logs import JsonFormatter, TextFormatter
+from handoff_server.ops.logs import JsonFormatter, TextFormatter
 from tests.attack_support import serving
 from tests.security_support import make_pki
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.grpc_support import CANCELED, start_request, succeed
 
 

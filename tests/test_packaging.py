@@ -6,7 +6,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from handoff_server import stubs
+from handoff_server.commands import stubs
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -64,7 +64,7 @@ def test_the_sdk_imports_nothing_of_the_server() -> None:
 
 def test_the_distribution_has_a_name_of_its_own() -> None:
     """`handoff` on PyPI is an unrelated project that ships a `handoff` module too."""
-    from handoff_server.cli import DISTRIBUTION
+    from handoff_server.commands.cli import DISTRIBUTION
 
     assert PROJECT["name"] == DISTRIBUTION == "kv-handoff"
     tops = {p.name for p in (ROOT / "client").iterdir() if (p / "__init__.py").exists()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from handoff_server.quotas import Quotas
+from handoff_server.service.quotas import Quotas
 
 
 class FakeClock:

@@ -20,13 +20,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from handoff_server import convert
-from handoff_server.config import Settings
-from handoff_server.delivery import Role, Subscription
-from handoff_server.entries import Entry, Retained, StartRequest
-from handoff_server.journal import DATABASE, Journal
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.delivery import Subscription
+from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.model import (
     ALLOWED_OUTCOMES,
     ActionKind,
     Canceled,
@@ -41,14 +37,19 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
-    Side,
+    Role,
     SourceHeld,
     TimingMode,
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import RETAINED, JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import NOT_RECORDING, Registry
+from handoff_server.durability.journal import DATABASE, Journal
+from handoff_server.durability.records import RETAINED, JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
+from handoff_server.service import convert
 
 COMPLETE = ActionKind.COMPLETE
 INCARNATIONS = ["", "a", "b"]
@@ -74,8 +75,8 @@ FACTS: list[Fact] = [
     TransferCompleted(),
     Failed(),
     Canceled(),
-    EngineLost(Side.SOURCE),
-    EngineLost(Side.DESTINATION),
+    EngineLost(Role.SOURCE),
+    EngineLost(Role.DESTINATION),
 ]
 NATURAL_FACTS: list[Fact] = [
     SourceHeld(TIMINGS[0]),
@@ -218,7 +219,7 @@ def test_a_recovered_registry_equals_the_one_that_crashed(data: st.DataObject) -
                 assert "start" not in kinds
         incarnation = first.journal.incarnation
         first.journal.close_now()  # the crash: nothing but the file survives
-        first.registry.recorder = None  # it goes on in memory, as if it had not crashed
+        first.registry.recorder = NOT_RECORDING  # it goes on in memory, as if it had not crashed
 
         later = FakeClock()
         later.now = clock.now
@@ -373,7 +374,7 @@ def test_a_side_settled_unsent_is_not_sent_after_recovery(tmp_path: Path) -> Non
     r.report_fact("h", Canceled())  # CancelDestination settled: decode-a never had anything
     first.journal.commit_now()
     first.journal.close_now()
-    first.registry.recorder = None
+    first.registry.recorder = NOT_RECORDING
     second = World(tmp_path, clock)
     assert state(second.registry) == state(first.registry)
     for world in (first, second):
@@ -590,7 +591,7 @@ def test_rebuilding_recovers_every_kind_of_unfinished_handoff(tmp_path: Path) ->
     fact("canceled", Canceled())
     ack("canceled", ActionKind.CANCEL_SOURCE, OutcomeKind.APPLIED)
     held("decode-lost")
-    fact("decode-lost", EngineLost(Side.DESTINATION))
+    fact("decode-lost", EngineLost(Role.DESTINATION))
     held("settled", decode="decode-b")  # decode-b has no stream: its reservation waits
     fact("settled", Canceled())
     world.journal.commit_now()

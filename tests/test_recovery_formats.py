@@ -13,24 +13,25 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-from handoff_server.entries import Entry, Retained, StartRequest
-from handoff_server.journal import DATABASE, FORMAT_VERSION, Journal
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.model import (
     Canceled,
     DestinationReserved,
     EngineLost,
     Order,
     Outcome,
     OutcomeKind,
-    Side,
+    Role,
     SourceHeld,
     TimingMode,
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import RETAINED, JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import NOT_RECORDING, Registry
+from handoff_server.durability.journal import DATABASE, FORMAT_VERSION, Journal
+from handoff_server.durability.records import RETAINED, JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.metrics import Metrics
 from tests import journal_history
 from tests.test_recovery import state
 
@@ -80,7 +81,7 @@ def test_a_format_1_journal_recovers_as_its_history_ran(tmp_path: Path) -> None:
     retained_before = {h for h, e in registry.handoffs.items() if isinstance(e, Retained)}
     for handoff_id, entry in list(registry.handoffs.items()):
         if isinstance(entry, Entry) and entry.abandoned_at is None:
-            for side in (Side.SOURCE, Side.DESTINATION):
+            for side in (Role.SOURCE, Role.DESTINATION):
                 if registry.handoffs[handoff_id].core.phase.value != "complete":
                     registry.report_fact(handoff_id, EngineLost(side))
     journal.commit_now()
@@ -89,7 +90,7 @@ def test_a_format_1_journal_recovers_as_its_history_ran(tmp_path: Path) -> None:
     assert newly
     for handoff_id in newly:
         assert records(tmp_path, handoff_id) == [RETAINED]
-    registry.recorder = None
+    registry.recorder = NOT_RECORDING
     _, again, _ = recovered(tmp_path, clock)
     assert state(again) == state(registry)
     with sqlite3.connect(tmp_path / DATABASE) as db:
@@ -136,7 +137,7 @@ def test_a_completed_handoff_is_one_record_and_a_reopened_one_replays_from_it(
     journal.commit_now()
     assert records(tmp_path, h) == [RETAINED, "canceled"]
     journal.close_now()
-    registry.recorder = None
+    registry.recorder = NOT_RECORDING
     journal, reopened, _ = recovered(tmp_path, clock)
     assert state(reopened) == state(registry)
     assert reopened.handoffs[h].trace_context == trace

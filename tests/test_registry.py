@@ -8,10 +8,9 @@ import uuid
 
 import pytest
 
-from handoff_server.core import Handoff
-from handoff_server.delivery import Role
-from handoff_server.entries import StartRequest
-from handoff_server.model import (
+from handoff_server.domain.core import Handoff
+from handoff_server.domain.entries import StartRequest
+from handoff_server.domain.model import (
     ActionKind,
     AlreadyExists,
     Canceled,
@@ -24,6 +23,7 @@ from handoff_server.model import (
     OutcomeKind,
     Phase,
     ResourceExhausted,
+    Role,
     SourceHeld,
     Unavailable,
 )

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import uuid
 
-from handoff_server.delivery import Role
-from handoff_server.model import (
+from handoff_server.domain.model import (
     Canceled,
     Completion,
     EngineLost,
@@ -14,10 +13,11 @@ from handoff_server.model import (
     Outcome,
     OutcomeKind,
     Phase,
-    Side,
+    Release,
+    ReleaseReason,
+    Role,
     SourceHeld,
 )
-from handoff_server.registry import Release, ReleaseReason
 from tests.registry_support import DESTINATION, SOURCE, TIMING, Harness
 
 SUBMITTED = Outcome(OutcomeKind.SUBMITTED)
@@ -71,7 +71,7 @@ def test_a_side_declared_lost_is_released_while_the_other_goes_on() -> None:
     handoff_id = h.start()
     h.registry.report_outcome(handoff_id, 0, SUBMITTED)
     h.registry.report_fact(handoff_id, SourceHeld(TIMING))
-    h.registry.report_fact(handoff_id, EngineLost(Side.DESTINATION), origin="server")
+    h.registry.report_fact(handoff_id, EngineLost(Role.DESTINATION), origin="server")
     releases, _ = h.registry.reconcile(DESTINATION, [(handoff_id, Role.DESTINATION)], [])
     assert releases == [Release(handoff_id, Role.DESTINATION, ReleaseReason.ENGINE_LOST)]
     # The source was not lost: it is canceled through its own action.

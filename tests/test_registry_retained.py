@@ -9,17 +9,17 @@ from collections.abc import Callable
 
 import pytest
 
-from handoff_server import convert
-from handoff_server.entries import Entry, Retained, StartRequest
-from handoff_server.model import (
+from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.model import (
     Canceled,
     Completion,
     EngineLost,
     NotFound,
     Order,
     Phase,
-    Side,
+    Role,
 )
+from handoff_server.service import convert
 from tests.registry_support import APPLIED, DESTINATION, SOURCE, SUBMITTED, Harness
 
 
@@ -78,7 +78,7 @@ def test_a_lost_decode_reopens_and_completes_a_retained_handoff_in_one_call() ->
     handoff_id = h.start()
     h.succeed(handoff_id)
     h.clock.advance(100.0)
-    (complete,) = h.registry.report_fact(handoff_id, EngineLost(Side.DESTINATION)).actions
+    (complete,) = h.registry.report_fact(handoff_id, EngineLost(Role.DESTINATION)).actions
     assert complete.action.completion is Completion.CANCELED
     record = h.registry.get(handoff_id)
     assert isinstance(record, Retained)  # a new record, from the second completion

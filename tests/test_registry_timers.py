@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from handoff_server.model import NotFound
-from handoff_server.timers import TimerHeap, TimerKind
+from handoff_server.domain.model import NotFound
+from handoff_server.domain.timers import TimerHeap, TimerKind
 from tests.registry_support import DESTINATION, SOURCE, Harness
 
 

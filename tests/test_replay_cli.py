@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from handoff_server.cli import main
+from handoff_server.commands.cli import main
 from tests.support import LOST_VECTORS, VECTORS
 
 

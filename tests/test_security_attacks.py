@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.servicer import MAX_REPORTS_PER_MESSAGE
+from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.attack_support import (
     Served,
     WellBehaved,
@@ -245,7 +245,7 @@ async def test_watch_streams_on_the_health_port_never_fail_a_probe(served: Serve
         probe = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "handoff_server.cli",
+            "handoff_server.commands.cli",
             "health",
             "--target",
             health_target,

@@ -21,9 +21,9 @@ import pytest
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
-from handoff_server.config import Settings
-from handoff_server.security import EngineIdentities, SecurityConfigError
+from handoff_server.ops.config import Settings
+from handoff_server.service.app import Server
+from handoff_server.service.security import EngineIdentities, SecurityConfigError
 from tests.conftest import StartServer
 from tests.grpc_support import (
     ACCEPTED,

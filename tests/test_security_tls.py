@@ -17,10 +17,10 @@ from handoff_client import EngineType, HandoffClient, RetryPolicy
 from handoff_client.errors import NotFoundError, UnavailableError
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import health
-from handoff_server.app import Server
-from handoff_server.config import Settings
-from handoff_server.security import SecurityConfigError
+from handoff_server.commands import health
+from handoff_server.ops.config import Settings
+from handoff_server.service.app import Server
+from handoff_server.service.security import SecurityConfigError
 from tests.conftest import StartServer
 from tests.security_support import Pki, TlsSettings, make_pki, secure_channel
 
@@ -189,7 +189,7 @@ async def test_inspect_reaches_a_server_with_mutual_tls_and_a_token(
 
     async def inspect(*options: str) -> tuple[int, str, str]:
         process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "handoff_server.cli", "inspect", handoff_id),
+            *(sys.executable, "-m", "handoff_server.commands.cli", "inspect", handoff_id),
             *(f"--target=127.0.0.1:{server.port}", "--timeout=3", *options),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

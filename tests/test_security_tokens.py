@@ -18,10 +18,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import config, security
-from handoff_server.app import Server
-from handoff_server.config import Settings
-from handoff_server.security import SecurityConfigError, TokenSet
+from handoff_server.ops import config
+from handoff_server.ops.config import Settings
+from handoff_server.service import security
+from handoff_server.service.app import Server
+from handoff_server.service.security import SecurityConfigError, TokenSet
 from tests.conftest import StartServer
 from tests.grpc_support import DESTINATION, SOURCE
 from tests.security_support import Stub, docs_block

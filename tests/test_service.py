@@ -14,8 +14,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
-from handoff_server.core import Handoff, SourceStage
+from handoff_server.domain.core import Handoff, SourceStage
+from handoff_server.service.app import Server
 from tests.conftest import StartServer
 from tests.grpc_support import (
     APPLIED,
@@ -313,7 +313,7 @@ async def test_inspect_prints_a_handoff(server: Server, stub: Stub) -> None:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "handoff_server.cli",
+        "handoff_server.commands.cli",
         "inspect",
         handoff_id,
         "--target",

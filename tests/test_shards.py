@@ -27,12 +27,12 @@ from handoff_client.placement import ShardInfo, ShardMap, place
 from handoff_client.retry import Backoff, RetryPolicy
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import cli, serve
-from handoff_server.app import Server
-from handoff_server.config import Settings
-from handoff_server.conformance import Vector
-from handoff_server.metrics import Metrics
-from handoff_server.shards import ShardIdentity, Shards, ShardSettingsError
+from handoff_server.commands import cli, serve
+from handoff_server.commands.conformance import Vector
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
+from handoff_server.service.app import Server
+from handoff_server.service.shards import ShardIdentity, Shards, ShardSettingsError
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 from tests.grpc_support import DESTINATION, SOURCE, ConnectEngine, StreamRecorder
 from tests.support import LOST_VECTORS, VECTORS, all_vectors
@@ -151,7 +151,7 @@ def test_serve_exits_2_when_the_shard_is_unknown(
 def test_serve_exits_2_on_an_unreadable_shard_map(tmp_path: Path) -> None:
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "handoff_server.cli", "serve", "--port", "0"),
+            *(sys.executable, "-m", "handoff_server.commands.cli", "serve", "--port", "0"),
             *("--metrics-port", "-1", "--shard-count", "2", "--shard-ordinal", "0"),
             *("--shard-map", str(tmp_path / "missing.json")),
         ],
@@ -511,7 +511,7 @@ async def test_inspect_finds_a_handoff_on_the_shard_that_owns_it(
     )
     for target, expected in ((handoff_id, 0), (str(uuid.uuid4()), 1)):
         process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "handoff_server.cli", "inspect", target),
+            *(sys.executable, "-m", "handoff_server.commands.cli", "inspect", target),
             *("--target", f"127.0.0.1:{shards[0].port}"),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,

@@ -58,7 +58,7 @@ class Shard:
     def start(self, count: int, placing: int = 0) -> None:
         self.process = subprocess.Popen(
             [
-                *(sys.executable, "-m", "handoff_server.cli", "serve"),
+                *(sys.executable, "-m", "handoff_server.commands.cli", "serve"),
                 *("--host", "127.0.0.1", "--port", str(self.port)),
                 *("--metrics-host", "127.0.0.1", "--metrics-port", str(self.metrics_port)),
                 *("--state-dir", str(self.state_dir), "--shard-map", str(self.shard_map)),

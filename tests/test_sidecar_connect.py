@@ -42,7 +42,7 @@ from handoff_client.errors import (
 from handoff_client.model import Action
 from handoff_client.sidecar import Facts
 from handoff_client.transport import TRANSPORT_KINDS, TransportKind, make_transport
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.conftest import FAST_RECONNECT
 from tests.sidecar_support import (
     DESTINATION,

@@ -37,7 +37,7 @@ from handoff_client.retry import Backoff, RetryPolicy
 from handoff_client.transport import TRANSPORT_KINDS
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.sidecar_support import QUICK, SOURCE, TIMEOUT_S, ScriptedEngine, running
 
 pytestmark = pytest.mark.timeout(60)

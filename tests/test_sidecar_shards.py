@@ -13,7 +13,7 @@ from pathlib import Path
 
 from handoff_client import EngineSidecar, EngineType, HandoffClient, TransportKind
 from handoff_client.placement import place
-from handoff_server.app import Server
+from handoff_server.service.app import Server
 from tests.conftest import FAST_RECONNECT, StartServer, free_port
 from tests.lease_support import until
 from tests.sidecar_support import DESTINATION, QUICK, SOURCE, ScriptedEngine, start

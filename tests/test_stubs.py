@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from handoff_server.stubs import drifted
+from handoff_server.commands.stubs import drifted
 
 
 def test_committed_stubs_match_the_proto() -> None:

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from handoff_server.entries import StartRequest
-from handoff_server.model import Order
+from handoff_server.domain.entries import StartRequest
+from handoff_server.domain.model import Order
 from tests.conftest import StartServer
 
 

@@ -16,10 +16,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from handoff_server.delivery import Dispatch
-from handoff_server.entries import Retained, StartRequest
-from handoff_server.journal import Journal
-from handoff_server.model import (
+from handoff_server.domain.delivery import Dispatch
+from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.model import (
     ActionKind,
     Canceled,
     DestinationReserved,
@@ -29,13 +28,15 @@ from handoff_server.model import (
     Order,
     Outcome,
     OutcomeKind,
-    Side,
+    Role,
     SourceHeld,
     TransferCompleted,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
-from handoff_server.tracing import HandoffTrace, Tracing
+from handoff_server.domain.registry import Registry
+from handoff_server.durability.journal import Journal
+from handoff_server.durability.records import JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.tracing import HandoffTrace, Tracing
 from tests.registry_support import DESTINATION, SOURCE, TIMING, Harness
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -289,7 +290,7 @@ def test_a_lost_engine_ends_its_unanswered_action_with_the_handoff() -> None:
     h.fact(SourceHeld(TIMING))
     reserve = h.pending.pop()  # ReserveDestination: the decode dies before answering
     assert reserve.action.kind is ActionKind.RESERVE_DESTINATION
-    h.fact(EngineLost(Side.DESTINATION))
+    h.fact(EngineLost(Role.DESTINATION))
     h.ack_all()
     spans = h.spans()
     handoff = spans["handoff"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from handoff_server import config, tracing
-from handoff_server.cli import build_parser
+from handoff_server.commands.cli import build_parser
+from handoff_server.ops import config, tracing
 
 SETTINGS_ENV = Path(__file__).parent.parent / "deploy" / "k8s" / "settings.env"
 

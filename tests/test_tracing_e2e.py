@@ -28,9 +28,9 @@ from handoff_client import (
     TransportKind,
 )
 from handoff_client.transport import TRANSPORT_KINDS
-from handoff_server import tracing
-from handoff_server.app import Server
-from handoff_server.config import Settings
+from handoff_server.ops import tracing
+from handoff_server.ops.config import Settings
+from handoff_server.service.app import Server
 from tests.conftest import LOOPBACK
 from tests.sidecar_support import DESTINATION, SOURCE, TIMEOUT_S, ScriptedEngine, running, start
 

@@ -19,8 +19,8 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from handoff_client import HandoffClient
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.app import Server
-from handoff_server.config import Settings
+from handoff_server.ops.config import Settings
+from handoff_server.service.app import Server
 from tests.conftest import LOOPBACK
 from tests.sidecar_support import DESTINATION, SOURCE, TIMEOUT_S, ScriptedEngine, running
 
