@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The SDK alone, from the wheel, on the oldest grpcio and protobuf that
-# pyproject.toml admits (tests/test_packaging.py keeps the three in step).
+# pyproject.toml admits (tests/commands/test_packaging.py keeps the three in step).
 SDK_GRPCIO := 1.49.1
 SDK_PROTOBUF := 4.21.6
 SDK_VENV := $(VENV)/sdk-oldest

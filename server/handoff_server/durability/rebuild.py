@@ -11,7 +11,7 @@ they reached. :meth:`Registry.adopt` then installs the handoff once.
 A record whose effect reaches beyond this one handoff (the server settling a
 cleanup, an abandonment, a completion, a failure other than a rejection)
 sets :attr:`Rebuild.needs_registry`, and recovery replays the handoff
-through the registry instead; tests/test_recovery.py proves both ways equal.
+through the registry instead; tests/durability/test_recovery.py proves both ways equal.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Each engine gets a stand-in stream that takes every action as it is issued
 its last journaled incarnation. Two kinds of handoff skip the call path: a
 completed one is restored from its ``retained`` record, and an unfinished
 one is rebuilt through the core alone (rebuild.py) and adopted once, which
-tests/test_recovery.py proves equal to replaying every record.
+tests/durability/test_recovery.py proves equal to replaying every record.
 """
 
 from __future__ import annotations
