@@ -23,7 +23,7 @@ def handoff(*args: str) -> subprocess.CompletedProcess[str]:
 def test_version_prints_the_installed_version() -> None:
     done = handoff("--version")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"handoff {version('handoff')}"
+    assert done.stdout.strip() == f"handoff {version('kv-handoff')}"
 
 
 @pytest.mark.skipif(not SDK_ONLY, reason="needs a venv without the server extra")
