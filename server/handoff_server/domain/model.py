@@ -90,6 +90,14 @@ LOST_EVENT = {
 }
 
 
+class LostCause(enum.Enum):
+    """Why the server declared an engine lost in its unfinished handoffs."""
+
+    RESTARTED = "restarted"  # a new incarnation subscribed
+    UNREACHABLE = "unreachable"  # no live stream for delivery_timeout
+    RECONCILED = "reconciled"  # its sidecar freed the side on its own (lease, orphan)
+
+
 class ReleaseReason(enum.Enum):
     """Why an engine should free a side it holds (Reconcile)."""
 

@@ -41,6 +41,7 @@ from handoff_server.domain.model import (
     Fact,
     HandoffError,
     Internal,
+    LostCause,
     NotFound,
     Outcome,
     OutcomeKind,
@@ -65,8 +66,8 @@ Clock = Callable[[], float]  # seconds since the Unix epoch, never going backwar
 
 MAX_REDELIVERY_DELAY_S = 30.0
 LOST_BECAUSE = {
-    "restarted": "restarted under a new incarnation",
-    "reconciled": "its sidecar freed these sides on its own (lease or orphan)",
+    LostCause.RESTARTED: "restarted under a new incarnation",
+    LostCause.RECONCILED: "its sidecar freed these sides on its own (lease or orphan)",
 }
 NOOP = Outcome(OutcomeKind.NOOP)
 
@@ -290,7 +291,7 @@ class Registry:
         incarnation loses the old one's handoffs here, at once."""
         subscription, lost = self.delivery.subscribe(engine_id, on_ready, incarnation, session_id)
         if lost:
-            self._lose(engine_id, lost, cause="restarted")
+            self._lose(engine_id, lost, cause=LostCause.RESTARTED)
         return subscription
 
     def take(self, subscription: Subscription, limit: int) -> list[Dispatch] | None:
@@ -331,7 +332,7 @@ class Registry:
                 and LOST_EVENT[role] not in entry.core.lifecycle
             ):
                 lost.setdefault(handoff_id, set()).add(role)
-        self._lose(engine_id, lost, cause="reconciled")
+        self._lose(engine_id, lost, cause=LostCause.RECONCILED)
         releases = []
         for handoff_id, role in held:
             reason = self._release_reason(engine_id, handoff_id, role)
@@ -619,9 +620,9 @@ class Registry:
             entry = self.handoffs.get(handoff_id)
             if isinstance(entry, Entry):
                 lost[handoff_id] = set(entry.roles_of(engine_id))
-        self._lose(engine_id, lost, cause="unreachable")
+        self._lose(engine_id, lost, cause=LostCause.UNREACHABLE)
 
-    def _lose(self, engine_id: str, lost: dict[str, set[Role]], cause: str | None) -> None:
+    def _lose(self, engine_id: str, lost: dict[str, set[Role]], cause: LostCause | None) -> None:
         """Report EngineLost for ``engine_id``'s roles in each unfinished handoff of
         ``lost``; ``cause`` counts it (None: the engine was counted already)."""
         affected = [

@@ -9,13 +9,19 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from handoff_server.domain.model import FACT_KINDS, ActionKind, Completion, OutcomeKind, Phase
+from handoff_server.domain.model import (
+    FACT_KINDS,
+    ActionKind,
+    Completion,
+    LostCause,
+    OutcomeKind,
+    Phase,
+)
 
 # Handoffs take milliseconds to minutes; decodes after success can run longer.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
 
-LOST_CAUSES = ("restarted", "unreachable", "reconciled")
 RPCS = (
     "StartHandoff",
     "ReportFact",
@@ -137,7 +143,7 @@ class Metrics:
             for origin in ("engine", "server")
         }
         self.handoffs_by = {p: self.handoffs.labels(p.value) for p in Phase}
-        self.engines_lost_by = {cause: self.engines_lost.labels(cause) for cause in LOST_CAUSES}
+        self.engines_lost_by = {cause: self.engines_lost.labels(cause.value) for cause in LostCause}
         # Zero-valued series exist from the start, so rate() and absent()
         # behave before the first event.
         for rpc in RPCS:
