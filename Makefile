@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The SDK alone, from the wheel, on the oldest grpcio and protobuf that
-# pyproject.toml admits (tests/test_packaging.py keeps the three in step).
+# pyproject.toml admits (tests/commands/test_packaging.py keeps the three in step).
 SDK_GRPCIO := 1.49.1
 SDK_PROTOBUF := 4.21.6
 SDK_VENV := $(VENV)/sdk-oldest
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m handoff_server.stubs --toolchain >/dev/null
+	$(BIN)/python -m handoff_server.commands.stubs --toolchain >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -85,9 +85,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.service
 
-# Regenerate client/handoff_proto/v1 with the pinned generator (handoff_server/stubs.py).
+# Regenerate client/handoff_proto/v1 with the pinned generator (handoff_server/commands/stubs.py).
 stubs: $(STAMP)
-	$(BIN)/python -m handoff_server.stubs --write
+	$(BIN)/python -m handoff_server.commands.stubs --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

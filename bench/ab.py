@@ -22,15 +22,21 @@ from bench.load import LoadSpec
 from bench.procs import SERVICE, SERVICE_FLAGS, ServerProcess
 from bench.service import drive, label, load_average, say
 
-# The server of another checkout: its packages first on the path, then its CLI.
+# The server of another checkout: its packages first on the path, then its CLI
+# (handoff_server.cli before the packages moved into layers).
 BASELINE = (
-    "import runpy, sys; sys.path[:0] = sys.argv[1:3]; del sys.argv[1:3]; "
-    "runpy.run_module('handoff_server.cli', run_name='__main__', alter_sys=True)"
+    "import runpy, sys; sys.path[:0] = sys.argv[1:3]; cli = sys.argv[3]; del sys.argv[1:4]; "
+    "runpy.run_module(cli, run_name='__main__', alter_sys=True)"
 )
 
 
+def cli_module(tree: Path) -> str:
+    layered = (tree / "server" / "handoff_server" / "commands" / "cli.py").exists()
+    return "handoff_server.commands.cli" if layered else "handoff_server.cli"
+
+
 def baseline_server(tree: Path, *flags: str) -> ServerProcess:
-    paths = [str(tree / "server"), str(tree / "client")]
+    paths = [str(tree / "server"), str(tree / "client"), cli_module(tree)]
     return ServerProcess(["-c", BASELINE, *paths, *SERVICE[2:], *SERVICE_FLAGS, *flags], "before")
 
 

@@ -11,8 +11,8 @@ import time
 import tracemalloc
 import uuid
 
-from handoff_server.core import Handoff
-from handoff_server.model import (
+from handoff_server.domain.core import Handoff
+from handoff_server.domain.model import (
     DestinationReserved,
     Order,
     Outcome,
@@ -22,7 +22,7 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.packing import pack
+from handoff_server.domain.packing import pack
 
 TIMING = TransferTiming(TimingMode.FULL_PROMPT, 2048, 131072, 50.0)
 SUBMITTED = Outcome(OutcomeKind.SUBMITTED)

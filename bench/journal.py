@@ -21,7 +21,7 @@ In one run:
   such journals side by side, replayed alternately by this server: one as
   format 1 wrote it (every retained handoff its whole history) and one with
   format 2's snapshots (a retained handoff one record). With ``--against
-  CHECKOUT`` (another worktree with its own .venv, main's say), one snapshot
+  CHECKOUT`` (another worktree, its packages put first on the path), one snapshot
   journal instead, replayed alternately by this checkout's code and that one's,
   each replay in a fresh process; and in the overhead part, a fifth server,
   "normal" served by that checkout's code.
@@ -39,6 +39,7 @@ import platform
 import sqlite3
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -50,11 +51,8 @@ from bench.ab import baseline_server
 from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, percentile, say
-from handoff_server.config import Settings
-from handoff_server.entries import Retained, StartRequest
-from handoff_server.journal import DATABASE, Journal
-from handoff_server.metrics import Metrics
-from handoff_server.model import (
+from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.model import (
     DestinationReserved,
     Order,
     Outcome,
@@ -64,8 +62,12 @@ from handoff_server.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.recovery import JournalRecorder, ReplayClock, recover
-from handoff_server.registry import Registry
+from handoff_server.domain.registry import Registry
+from handoff_server.durability.journal import DATABASE, Journal
+from handoff_server.durability.records import JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import Metrics
 
 WAYS = {"history (format 1)": False, "snapshots (format 2)": True}
 MODES = {
@@ -268,14 +270,24 @@ def build(state_dir: Path, live: int, retained: int, snapshots: bool) -> int:
 
 # One replay as `handoff serve --state-dir` starts, in a fresh process, with
 # whichever checkout's code the interpreter imports; the API both share.
+# Its packages come first on the path (argv 2 and 3); modules before the
+# layered packages had other paths.
 REPLAY = """
 import json, sys, time
 from pathlib import Path
-from handoff_server.config import Settings
-from handoff_server.journal import Journal
-from handoff_server.metrics import Metrics
-from handoff_server.recovery import ReplayClock, recover
-from handoff_server.registry import Registry
+sys.path[:0] = sys.argv[2:4]
+try:
+    from handoff_server.ops.config import Settings
+    from handoff_server.durability.journal import Journal
+    from handoff_server.ops.metrics import Metrics
+    from handoff_server.durability.recovery import ReplayClock, recover
+    from handoff_server.domain.registry import Registry
+except ImportError:
+    from handoff_server.config import Settings
+    from handoff_server.journal import Journal
+    from handoff_server.metrics import Metrics
+    from handoff_server.recovery import ReplayClock, recover
+    from handoff_server.registry import Registry
 wall, cpu = time.monotonic(), time.process_time()
 journal = Journal.open(Path(sys.argv[1]))
 opened = time.monotonic() - wall
@@ -304,8 +316,9 @@ def recovery_against(args: argparse.Namespace, state: Path) -> list[str]:
     for round_ in range(args.recovery_rounds):
         for name, checkout in codes.items():
             say(f"recovery: replaying ({name}), round {round_ + 1}")
+            paths = [str(checkout / "server"), str(checkout / "client")]
             run = subprocess.run(
-                [checkout / ".venv/bin/python", "-c", REPLAY, state / "recovery"],
+                [sys.executable, "-c", REPLAY, state / "recovery", *paths],
                 cwd=checkout,
                 capture_output=True,
                 text=True,
@@ -374,7 +387,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--against",
         type=Path,
         help="recovery: replay one format 2 journal by this checkout and by this other "
-        "one (its .venv), alternately; overhead: also serve 'normal' by that one's code",
+        "one (its packages first on the path), alternately; overhead: also serve 'normal' "
+        "by that one's code",
     )
     parser.add_argument("--soak-s", type=float, default=600.0, help="soak duration")
     parser.add_argument("--soak-rate", type=float, default=100.0, help="soak handoffs/s")

@@ -23,7 +23,7 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 # The service as deployed, but bound to loopback, with no metrics port (the
 # collectors still run) and a short drain so stopping is quick.
-SERVICE = ["-m", "handoff_server.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+SERVICE = ["-m", "handoff_server.commands.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
 SERVICE_FLAGS = ["--metrics-port", "-1", "--drain-grace-s", "1"]
 FLOOR = ["-m", "bench.floor", "--host", "127.0.0.1", "--port", "0"]
 

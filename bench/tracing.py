@@ -38,12 +38,9 @@ MODES = ("before", "off", "on")
 
 def run_handoffs(count: int, mode: str) -> float:
     """CPU seconds for ``count`` success paths through a registry in ``mode``."""
-    from handoff_server import convert
-    from handoff_server.config import Settings
-    from handoff_server.delivery import Dispatch
-    from handoff_server.entries import StartRequest
-    from handoff_server.metrics import Metrics
-    from handoff_server.model import (
+    from handoff_server.domain.delivery import Dispatch
+    from handoff_server.domain.entries import StartRequest
+    from handoff_server.domain.model import (
         ActionKind,
         DestinationReserved,
         Fact,
@@ -55,7 +52,10 @@ def run_handoffs(count: int, mode: str) -> float:
         TransferCompleted,
         TransferTiming,
     )
-    from handoff_server.registry import CallResult, Registry
+    from handoff_server.domain.registry import CallResult, Registry
+    from handoff_server.ops.config import Settings
+    from handoff_server.ops.metrics import Metrics
+    from handoff_server.service import convert
 
     expected = {
         ActionKind.SUBMIT_PREFILL: Outcome(OutcomeKind.SUBMITTED),
@@ -79,7 +79,7 @@ def run_handoffs(count: int, mode: str) -> float:
             SpanExportResult,
         )
 
-        from handoff_server.tracing import Tracing
+        from handoff_server.ops.tracing import Tracing
 
         class Dropped(SpanExporter):
             def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -138,9 +138,17 @@ def measure(mode: str, count: int, before: Path) -> float:
 
 
 def _before_tracing() -> str:
-    """The commit before the one that added server/handoff_server/tracing.py."""
+    """The commit before the one that added tracing.py (now handoff_server/ops/tracing.py)."""
     added = subprocess.run(
-        ["git", "log", "--diff-filter=A", "--format=%H", "--", "server/handoff_server/tracing.py"],
+        [
+            "git",
+            "log",
+            "--follow",
+            "--diff-filter=A",
+            "--format=%H",
+            "--",
+            "server/handoff_server/ops/tracing.py",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

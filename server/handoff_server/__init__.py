@@ -1,49 +1,26 @@
 """handoff: a coordinator for prefill-to-decode KV-cache handoffs.
 
-Which module owns what, from the pure core outwards (layers point inwards):
+Four layers, each a package, each importing only the ones before it:
 
-The domain, synchronous and clock-injected (no awaits, so each call is atomic;
-``core`` is also pure: no I/O, no clock):
+- ``domain``: the handoff's vocabulary, state machine and table; synchronous
+  and clock-injected, no I/O (``ops`` is the one thing it reports to).
+- ``durability``: the journal on SQLite, its record format, and recovery.
+- ``service``: the gRPC service on grpc.aio, its guards and its wiring.
+- ``commands``: the ``handoff`` command and its subcommands.
 
-- ``model``: the vocabulary: orders, facts, actions, outcomes, domain errors.
-- ``core``: the state machine of one handoff; every transition is there.
-- ``packing``: a completed handoff packed into a few words for retention.
-- ``entries``: what the registry keeps per handoff (a full Entry, a Retained one).
-- ``retention``: finished handoffs kept for a while, expired and evicted oldest first.
-- ``timers``: the timer heap and the kinds of timer the server sets.
-- ``delivery``: an issued action until its engine acknowledges it: queues,
-  redelivery, streams, incarnations and fencing.
-- ``registry``: the handoff table and the one path every call takes; what
-  each timer does when it fires.
+``ops`` (settings, metrics, traces, logs) is a leaf beside them: it reads only
+the vocabulary (``domain.model``), and every layer may use it.
 
-The service, on grpc.aio:
+Where each behaviour lives, one hop each:
 
-- ``convert``: protobuf to domain values (validated) and back.
-- ``servicer``: the RPCs: decode, call the registry, answer or refuse; the
-  one place a domain error becomes a gRPC status; Connect's ack window.
-- ``guard``: the interceptor: tokens, undecodable input, call and stream limits.
-- ``security``: TLS material, bearer tokens and engine identities, and the
-  checks that use them.
-- ``quotas``: calls in flight, by kind and per caller.
-- ``probes``: grpc.health.v1 on a budget of its own.
-- ``metrics`` and ``exposition``: the Prometheus metrics and their endpoint.
-- ``logs``: structured log lines (text or JSON) carrying handoff and engine ids.
-- ``journal``: accepted calls kept in SQLite, and the durability barrier the
-  servicer awaits before it writes; ``recovery``: what a journal record means,
-  and replaying a journal into a registry on start; ``rebuild``: an unfinished
-  handoff rebuilt from its records through the core alone, for recovery.
-- ``config``: the settings, each a flag and a HANDOFF_* variable.
-- ``shards``: this process's shard (name, ordinal, the placing shards), the
-  refusal of a start another shard owns, and the shard map it serves.
-- ``app``: the running server: wiring, timers loop, drain on stop.
-
-Commands (``handoff ...``):
-
-- ``cli``: the command and its subcommands; ``serve``, ``health``,
-  ``inspect_cmd``, ``replay`` and ``demo`` (a coordinator process and the
-  SDK's simulator against it, crashing the coordinator mid-run) are one
-  subcommand each; ``coordinators``: coordinators as ``handoff serve``
-  processes, started, killed -9 and restarted on their state dir.
-- ``conformance``: reading conformance vectors and comparing answers with them.
-- ``stubs``: regenerating the committed gRPC stubs from proto/.
+- a handoff's rules: ``domain.core``; its words: ``domain.model``;
+- an engine stream that drops: ``domain.delivery`` (``Delivery.unsubscribe``
+  arms the delivery timeout; ``Registry._lose`` reports EngineLost when it
+  fires); the streams themselves: ``service.servicer`` (``Servicer._write``);
+- crash recovery: ``durability.recovery`` (``recover``), records in
+  ``durability.records``, the fast path in ``durability.rebuild``;
+- who may report what: ``domain.authorization``; who the caller is:
+  ``service.security``;
+- a misrouted start (another shard owns the id): ``service.shards``
+  (``Shards.check_start``), answered by ``service.servicer``.
 """

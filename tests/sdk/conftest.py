@@ -25,7 +25,7 @@ SERVING = re.compile(r"serving gRPC .*? on 127\.0\.0\.1:(\d+)")
 
 def coordinator_command() -> list[str]:
     command = os.environ.get("HANDOFF_COORDINATOR")
-    return [command] if command else [sys.executable, "-m", "handoff_server.cli"]
+    return [command] if command else [sys.executable, "-m", "handoff_server.commands.cli"]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from handoff_client import (
 )
 from handoff_client.errors import NotFoundError
 from handoff_client.transport import TRANSPORT_KINDS, TransportKind
-from tests.sidecar_support import DESTINATION, SOURCE, TIMEOUT_S, ScriptedEngine, running, start
+from tests.support.sidecar import DESTINATION, SOURCE, TIMEOUT_S, ScriptedEngine, running, start
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The simulator: engines with finite KV pools, a load generator, faults and a leak check.
 
 :func:`~handoff_client.sim.run.simulate` runs one simulation against a server;
-``handoff sim`` is its command; ``handoff demo`` (handoff_server.demo) runs it
+``handoff sim`` is its command; ``handoff demo`` (handoff_server.commands.demo) runs it
 against a coordinator process of its own, which it can crash and restart.
 
 Which module owns what:

@@ -1,0 +1,308 @@
+"""What the registry keeps per handoff: an Entry in full while it can change,
+a Retained record (packed) once it completed, and the request that started it.
+
+The Entry's methods are the bookkeeping after the core accepted a call
+(acknowledge, stamp, route): the registry's call path and recovery's
+rebuild (durability/rebuild.py) both run them, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import ClassVar, NamedTuple
+
+from handoff_server.domain.core import Handoff
+from handoff_server.domain.model import (
+    ROLE_OF,
+    SIDES,
+    SOURCE_RELEASES,
+    Action,
+    ActionKind,
+    LifecycleEvent,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Role,
+)
+from handoff_server.domain.packing import Completed, pack
+
+# A transfer's modelled duration extends the deadline, capped so that it
+# stays a representable date however absurd the delay.
+MAX_EXTENSION_S = 365 * 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    handoff_id: str
+    order: Order
+    source_engine_id: str
+    destination_engine_id: str
+    fallback_transfer_delay_ms: float
+    transfer_executor: Role = Role.SOURCE
+    timeout_s: float | None = None
+    # The caller's W3C trace context (traceparent, tracestate), kept in the journal.
+    trace_context: tuple[tuple[str, str], ...] = ()
+
+
+class Routed(NamedTuple):
+    """An outstanding action as the registry routed it."""
+
+    issued_at: float
+    kind: ActionKind
+    engines: tuple[str, ...]  # the engines it went to
+
+
+class Entry:
+    """A handoff in full: its core and what the registry knows beyond it.
+
+    Unfinished handoffs are kept as these, and so are abandoned ones while
+    retained (rare, and shown with what was left outstanding); completed
+    ones are packed (Retained).
+    """
+
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "timeout_s",
+        "started_at",
+        "deadline",
+        "completed_at",
+        "abandoned_at",
+        "lifecycle_at",
+        "routed",
+        "held_at",
+        "cleanup_epoch",
+        "redelivery_round",
+        "trace",
+        "trace_context",
+    )
+
+    def __init__(
+        self,
+        core: Handoff,
+        source_engine_id: str,
+        destination_engine_id: str,
+        transfer_executor: Role,
+        timeout_s: float,
+        started_at: float,
+        deadline: float,
+    ) -> None:
+        self.core = core
+        self.source_engine_id = source_engine_id
+        self.destination_engine_id = destination_engine_id
+        self.transfer_executor = transfer_executor
+        self.timeout_s = timeout_s
+        self.started_at = started_at
+        self.deadline = deadline
+        self.completed_at: float | None = None
+        self.abandoned_at: float | None = None
+        self.lifecycle_at: list[float] = []  # when each core.lifecycle event was proven
+        self.routed: dict[int, Routed] = {}  # outstanding actions by id
+        self.held_at: float | None = None
+        # Renewed each time cleanup (re)starts, from the registry-wide counter:
+        # it stales the timers of an earlier cleanup, even one of an earlier
+        # handoff under the same id (evicted or expired, then reused).
+        self.cleanup_epoch = 0
+        self.redelivery_round = 0
+        self.trace: object = None  # tracing.HandoffTrace when tracing is on
+        # The caller's, as StartHandoff brought it: a journal snapshot keeps it.
+        self.trace_context: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def started(cls, request: StartRequest, timeout_s: float, now: float) -> Entry:
+        """A new handoff as ``request`` starts it at ``now``, not yet started in its core."""
+        core = Handoff(request.handoff_id, request.order, request.fallback_transfer_delay_ms)
+        # Interned: every request parses its own copy of its engines' names,
+        # and a retained handoff would otherwise keep both for retention_s.
+        entry = cls(
+            core,
+            sys.intern(request.source_engine_id),
+            sys.intern(request.destination_engine_id),
+            request.transfer_executor,
+            timeout_s,
+            now,
+            now + timeout_s,
+        )
+        entry.trace_context = request.trace_context
+        return entry
+
+    @property
+    def handoff_id(self) -> str:
+        return self.core.handoff_id
+
+    @property
+    def ended_at(self) -> float | None:
+        """When it was abandoned (the only Entry kept in retention)."""
+        return self.abandoned_at
+
+    @property
+    def engines(self) -> set[str]:
+        return {self.source_engine_id, self.destination_engine_id}
+
+    def engine_for(self, role: Role) -> tuple[str, ...]:
+        if role is Role.SOURCE:
+            return (self.source_engine_id,)
+        if role is Role.DESTINATION:
+            return (self.destination_engine_id,)
+        if self.source_engine_id == self.destination_engine_id:
+            return (self.source_engine_id,)
+        return (self.source_engine_id, self.destination_engine_id)
+
+    def roles_of(self, engine_id: str) -> list[Role]:
+        """The sides ``engine_id`` plays in this handoff (both if it is its own decode)."""
+        return [r for r in SIDES if self.engine_for(r)[0] == engine_id]
+
+    def role_of(self, kind: ActionKind) -> Role:
+        return self.transfer_executor if kind is ActionKind.START_TRANSFER else ROLE_OF[kind]
+
+    # --- the bookkeeping after the core accepted a call, in this order -----------
+
+    def acknowledge(self, action_id: int, outcome: Outcome) -> tuple[Routed, float | None]:
+        """An outstanding action answered: its routing, and since when the
+        source held its KV if this answer freed it (else None)."""
+        routed = self.routed.pop(action_id)
+        held_since = self.held_at
+        if (
+            routed.kind in SOURCE_RELEASES
+            and outcome.kind is not OutcomeKind.FAILED
+            and held_since is not None
+        ):
+            self.held_at = None
+            return routed, held_since
+        return routed, None
+
+    def stamp(self, events_before: int, now: float) -> None:
+        """The times of the lifecycle events the call proved (those past ``events_before``)."""
+        for event in self.core.lifecycle[events_before:]:
+            self.lifecycle_at.append(now)
+            if event is LifecycleEvent.SOURCE_HELD:
+                self.held_at = now
+
+    def route(self, action: Action, now: float) -> tuple[Role, tuple[str, ...], bool]:
+        """Where a new action goes (its role and engines), kept as outstanding
+        unless it is the final notice; True if it moved the deadline."""
+        kind = action.kind
+        role = self.transfer_executor if kind is ActionKind.START_TRANSFER else ROLE_OF[kind]
+        engines = self.engine_for(role)
+        extended = False
+        if kind is ActionKind.START_TRANSFER and action.delay_ms is not None:
+            # The transfer's own duration is not the handoff's fault.
+            self.deadline = min(self.deadline + action.delay_ms / 1000.0, now + MAX_EXTENSION_S)
+            extended = True
+        if kind is not ActionKind.COMPLETE:
+            self.routed[action.id] = Routed(now, kind, engines)
+        return role, engines, extended
+
+
+class Retained:
+    """A completed handoff, kept for late reports, GetHandoff and id reuse checks.
+
+    Up to max_retained of these live for retention_s each, so a retained
+    handoff keeps a packed core, names shared with every other handoff of its
+    engines, and its times as one bytes object: about a fifth of an Entry. A
+    call that reaches it runs on an unpacked Entry (see unpack).
+    """
+
+    __slots__ = (
+        "core",
+        "source_engine_id",
+        "destination_engine_id",
+        "transfer_executor",
+        "trace",
+        "trace_context",
+        "_times",
+    )
+
+    # Nothing is outstanding once complete; read by security.authorize_report.
+    routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
+    abandoned_at: ClassVar[None] = None
+
+    def __init__(self, entry: Entry) -> None:
+        assert entry.completed_at is not None
+        self.core: Completed = pack(entry.core)
+        self.source_engine_id = entry.source_engine_id
+        self.destination_engine_id = entry.destination_engine_id
+        self.transfer_executor = entry.transfer_executor
+        self.trace = entry.trace
+        self.trace_context = entry.trace_context
+        times = (
+            entry.started_at,
+            entry.deadline,
+            entry.completed_at,
+            entry.timeout_s,
+            *entry.lifecycle_at,
+        )
+        self._times = array("d", times).tobytes()
+
+    @classmethod
+    def restored(
+        cls,
+        core: Completed,
+        source_engine_id: str,
+        destination_engine_id: str,
+        transfer_executor: Role,
+        trace_context: tuple[tuple[str, str], ...],
+        times: list[float],
+    ) -> Retained:
+        """One as a journal snapshot kept it (recovery): ``times`` are its start,
+        deadline, completion, timeout and lifecycle times, in that order."""
+        retained = cls.__new__(cls)
+        retained.core = core
+        retained.source_engine_id = source_engine_id
+        retained.destination_engine_id = destination_engine_id
+        retained.transfer_executor = transfer_executor
+        retained.trace = None
+        retained.trace_context = trace_context
+        retained._times = array("d", times).tobytes()
+        return retained
+
+    @property
+    def handoff_id(self) -> str:
+        return self.core.handoff_id
+
+    @property
+    def started_at(self) -> float:
+        return array("d", self._times)[0]
+
+    @property
+    def deadline(self) -> float:
+        return array("d", self._times)[1]
+
+    @property
+    def completed_at(self) -> float:
+        return array("d", self._times)[2]
+
+    @property
+    def timeout_s(self) -> float:
+        return array("d", self._times)[3]
+
+    @property
+    def ended_at(self) -> float:
+        return self.completed_at
+
+    @property
+    def lifecycle_at(self) -> list[float]:
+        return array("d", self._times)[4:].tolist()
+
+    def unpack(self) -> Entry:
+        """The full Entry again, for a call that may change the handoff."""
+        entry = Entry(
+            self.core.unpack(),
+            self.source_engine_id,
+            self.destination_engine_id,
+            self.transfer_executor,
+            self.timeout_s,
+            self.started_at,
+            self.deadline,
+        )
+        entry.completed_at = self.completed_at
+        entry.lifecycle_at = self.lifecycle_at
+        entry.trace = self.trace
+        entry.trace_context = self.trace_context
+        return entry

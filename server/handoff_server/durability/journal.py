@@ -1,0 +1,565 @@
+"""The journal: every accepted call, kept in SQLite so a restarted server recovers.
+
+Choices, and why:
+
+- **SQLite from the standard library, WAL mode.** A real embedded engine whose
+  crash safety is tested far beyond anything written here: a transaction is
+  whole or absent after any crash, and WAL frames written without their
+  commit are discarded when the file is next opened. ``synchronous=NORMAL``
+  (the default) does not fsync each commit: a commit survives the process
+  dying (kill -9, OOM, a container restart) but the last ones may be lost if
+  the machine itself loses power. ``--durability full`` fsyncs every commit.
+- **What is kept: the registry's inputs, not its state.** Each accepted call
+  is one record (its start parameters with the caller's trace context, a
+  fact, or an outcome, with the time the registry saw it); the server's own
+  facts (deadlines, unreachable engines, shutdown) are records like any
+  other. Replaying them through a registry whose clock reads each record's
+  time rebuilds every handoff exactly (recovery.py). A handoff that leaves
+  the registry (retention expired, evicted, abandoned) has its records
+  deleted, so the file holds only what the registry holds. A handoff that
+  completes is written once more, whole (its packed core and times), and that
+  one record replaces its history in the same commit: recovery restores a
+  retained handoff from one row instead of replaying nine (recovery.py).
+- **Group commit.** Calls append to an in-memory batch synchronously (the
+  registry never awaits); one writer task commits each batch in one
+  transaction. The event loop never waits on the disk: a commit that could
+  (it fsyncs) runs on a thread of its own, while the next batch gathers.
+  Every commit with ``--durability full`` fsyncs. With ``normal``, a WAL
+  commit only appends to the WAL (a write into the page cache, which the
+  kernel throttles only when the disk falls far behind: far cheaper than
+  the hop to a thread and back), so it runs on the
+  event loop, except those that may fsync: the one that begins the WAL
+  (its header is synced) and the checkpoint, which copies the WAL into the
+  database and syncs both. SQLite's automatic checkpoint, which would run
+  inside whichever commit crossed 1000 pages, is off; the writer
+  checkpoints on its thread once the WAL passes
+  :data:`WAL_CHECKPOINT_BYTES`, then commits the batch there too (it
+  begins the WAL again). The WAL stays about that size. A batch of more
+  than :data:`LOOP_BATCH_MAX` records also goes to the thread: the
+  streaming path's batches are large, and the loop serves on meanwhile.
+- **The barrier.** :meth:`Journal.durable` returns once everything appended
+  so far is committed. Every place the server writes to the network awaits
+  it first, so no answer, acknowledgement or action leaves before the
+  commit that holds it.
+- **JSON bodies.** A few microseconds slower than pickle, but the file can be
+  read with the ``sqlite3`` shell, and reading it never runs code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import logging
+import math
+import os
+import sqlite3
+import struct
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("handoff.journal")
+
+# 2: a completed handoff's history is replaced by one snapshot record
+# (records.encode_retained), and a side settled without ever being sent
+# anything is a record of its own (recovery.FORSAKEN). A version 1 file holds
+# neither, and reads as is.
+FORMAT_VERSION = 2
+DATABASE = "journal.sqlite3"
+LOCK = "lock"
+DURABILITY = {"normal": "NORMAL", "full": "FULL"}
+READ_BATCH = 10_000
+# SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
+# this is copied into the database before the next commit.
+WAL_CHECKPOINT_BYTES = 4 * 2**20
+# A batch larger than this is committed on the thread even when it cannot
+# fsync: the hop is worth it when the loop would otherwise stop that long
+# (the streaming path's batches; unary calls commit a few at a time).
+LOOP_BATCH_MAX = 32
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS records (
+    seq INTEGER PRIMARY KEY,
+    handoff_id TEXT NOT NULL,
+    at REAL NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS records_by_handoff ON records (handoff_id);
+CREATE TABLE IF NOT EXISTS engines (
+    engine_id TEXT PRIMARY KEY,
+    incarnation TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+class JournalError(Exception):
+    """The state dir cannot be used; the server must not start (exit 2)."""
+
+
+class StateDirBusy(JournalError):
+    pass
+
+
+class NewerFormat(JournalError):
+    pass
+
+
+class JournalFailed(Exception):
+    """A commit failed: what was appended may never be durable, so nothing
+    built on it may be sent. The server stops; a restart recovers what was."""
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    seq: int
+    handoff_id: str
+    at: float
+    body: list[Any]  # as records.encode wrote it
+
+
+class Journal:
+    """One open state dir: its lock, its database, and the batch being gathered."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        connection: sqlite3.Connection,
+        lock_fd: int,
+        incarnation: int,
+        next_seq: int,
+    ) -> None:
+        self.state_dir = state_dir
+        self.incarnation = incarnation  # this process's; larger than any before it
+        self._db = connection
+        self._wal = state_dir / (DATABASE + "-wal")
+        # FULL fsyncs every commit, so no commit may run on the event loop.
+        self._fsync_per_commit = self.synchronous == "FULL"
+        self._checkpoint_at = WAL_CHECKPOINT_BYTES  # WAL bytes
+        self._lock_fd = lock_fd
+        self._next_seq = next_seq
+        self._inserts: list[tuple[int, str, float, str]] = []
+        self._drops: list[tuple[str, int]] = []
+        self._engines: dict[str, str] = {}
+        self._appended = 0  # batch items ever appended
+        self._committed = 0  # of those, how many are committed
+        self._progress = asyncio.Event()
+        self._wanted = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.on_failure: Callable[[BaseException], None] = lambda error: None
+        self.commits = 0
+        self.committed_items = 0
+        self.checkpoints = 0
+
+    # --- opening ------------------------------------------------------------
+
+    @classmethod
+    def open(cls, state_dir: Path, durability: str = "normal") -> Journal:
+        """Lock ``state_dir``, open (or create) its journal, and take a new incarnation.
+
+        A corrupt database is moved aside (kept for inspection) and the
+        server starts empty: a coordinator that will not start serves no one.
+        """
+        state_dir.mkdir(parents=True, exist_ok=True)
+        lock_fd = _lock(state_dir)
+        try:
+            path = state_dir / DATABASE
+            _report_torn_tail(path)
+            try:
+                connection = _connect(path, durability)
+            except sqlite3.OperationalError as error:
+                # Not the file's content (permissions, a full disk): keep it.
+                raise JournalError(f"cannot open {path}: {error}") from error
+            except sqlite3.DatabaseError as error:
+                _move_aside(path, str(error))
+                connection = _connect(path, durability)
+            version = connection.execute(
+                "SELECT value FROM meta WHERE key = 'format_version'"
+            ).fetchone()
+            if version is not None and int(version[0]) > FORMAT_VERSION:
+                connection.close()
+                raise NewerFormat(
+                    f"{path} was written in journal format {version[0]}, newer than this "
+                    f"server's {FORMAT_VERSION}: run the newer server, or move the state "
+                    "dir aside to start empty"
+                )
+            row = connection.execute("SELECT value FROM meta WHERE key = 'incarnation'").fetchone()
+            previous = int(row[0]) if row is not None else 0
+            incarnation = max(previous + 1, fresh_incarnation())
+            connection.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('format_version', ?), ('incarnation', ?)",
+                (FORMAT_VERSION, incarnation),
+            )
+            last = connection.execute("SELECT max(seq) FROM records").fetchone()[0]
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return cls(state_dir, connection, lock_fd, incarnation, (last or 0) + 1)
+
+    # --- reading (recovery) -------------------------------------------------
+
+    def records(self) -> Iterator[Record]:
+        """Every record, oldest first."""
+        for seq, handoff_id, at, body in self.rows():
+            yield Record(seq, handoff_id, at, json.loads(body))
+
+    def rows(self) -> Iterator[tuple[int, str, float, str]]:
+        """Every record as stored, its body still JSON text, oldest first: so a
+        replay decodes each distinct body once (most records repeat a few)."""
+        cursor = self._db.execute("SELECT seq, handoff_id, at, body FROM records ORDER BY seq")
+        while rows := cursor.fetchmany(READ_BATCH):
+            yield from rows
+
+    def rows_of(self, handoff_id: str, last_seq: int) -> list[tuple[int, str, float, str]]:
+        """One handoff's records as stored, up to and including ``last_seq``, oldest first."""
+        return self._db.execute(
+            "SELECT seq, handoff_id, at, body FROM records WHERE handoff_id = ? AND seq <= ? "
+            "ORDER BY seq",
+            (handoff_id, last_seq),
+        ).fetchall()
+
+    def engine_incarnations(self) -> dict[str, str]:
+        """Each engine's last incarnation, as last recorded."""
+        return dict(self._db.execute("SELECT engine_id, incarnation FROM engines"))
+
+    @property
+    def synchronous(self) -> str:
+        """SQLite's synchronous setting in force: NORMAL or FULL."""
+        level = self._db.execute("PRAGMA synchronous").fetchone()[0]
+        return {1: "NORMAL", 2: "FULL"}.get(level, str(level))
+
+    def size_bytes(self) -> int:
+        path = self.state_dir / DATABASE
+        return sum(
+            p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.exists()
+        )
+
+    # --- appending (the registry's Recorder) --------------------------------
+
+    def append(self, handoff_id: str, at: float, body: list[object]) -> None:
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._inserts.append((seq, handoff_id, at, json.dumps(body, separators=(",", ":"))))
+        self._appended += 1
+        self._wanted.set()
+
+    def replace(self, handoff_id: str, at: float, body: list[object]) -> None:
+        """One record that stands for all of the handoff's earlier ones, which go
+        in the same commit."""
+        self._drops.append((handoff_id, self._next_seq))
+        self.append(handoff_id, at, body)
+
+    def drop(self, handoff_id: str) -> None:
+        """The handoff left the registry: its records go with the next commit."""
+        self._drops.append((handoff_id, self._next_seq))
+        self._appended += 1
+        self._wanted.set()
+
+    def engine(self, engine_id: str, incarnation: str) -> None:
+        self._engines[engine_id] = incarnation
+        self._appended += 1
+        self._wanted.set()
+
+    # --- committing ---------------------------------------------------------
+
+    def start_writer(self, commit_delay_s: float = 0.0) -> None:
+        """Commit from now on (on the event loop or a thread of the journal's own,
+        see the module's note); at most one commit per ``commit_delay_s``
+        (counted from the end of the previous one)."""
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="handoff-journal")
+        self._writer = asyncio.create_task(self._write(commit_delay_s), name="handoff-journal")
+
+    async def durable(self) -> None:
+        """Return once everything appended so far is committed."""
+        target = self._appended
+        while self._committed < target:
+            if self._failure is not None:
+                raise JournalFailed(f"the journal cannot be written: {self._failure}")
+            progress = self._progress
+            await progress.wait()
+
+    async def _write(self, commit_delay_s: float) -> None:
+        """The writer's loop. Most of a small commit's CPU is its two thread
+        hops and its transaction, not its records (bench/RESULTS.md): under a
+        steady stream of unary calls a commit right after the previous one
+        holds one or two calls. Waiting until ``commit_delay_s`` after the
+        previous commit lets a commit gather what arrives meanwhile; a call
+        to an idle server (no commit within the delay) is committed at once."""
+        loop = asyncio.get_running_loop()
+        last_commit = -math.inf
+        try:
+            while True:
+                await self._wanted.wait()
+                gathering = last_commit + commit_delay_s - loop.time()
+                if gathering > 0:
+                    await asyncio.sleep(gathering)
+                self._wanted.clear()
+                reaching = self._appended
+                batch = self._take_batch()
+                if len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync():
+                    await loop.run_in_executor(self._executor, self._commit_checkpointing, *batch)
+                else:
+                    self._commit(*batch)
+                last_commit = loop.time()
+                self.commits += 1
+                self.committed_items += reaching - self._committed
+                self._committed = reaching
+                self._progress.set()
+                self._progress = asyncio.Event()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:
+            log.critical("journal commit failed; stopping the server: %s", error)
+            self._failure = error
+            self._progress.set()
+            self.on_failure(error)
+
+    def _take_batch(
+        self,
+    ) -> tuple[list[tuple[int, str, float, str]], list[tuple[str, int]], dict[str, str]]:
+        batch = self._inserts, self._drops, self._engines
+        self._inserts, self._drops, self._engines = [], [], {}
+        return batch
+
+    def _may_fsync(self) -> bool:
+        """Whether the next commit may fsync: with FULL, each one; with NORMAL,
+        the one that begins the WAL (an empty WAL: just opened, or after a
+        checkpoint), and the one the checkpoint runs before."""
+        if self._fsync_per_commit:
+            return True
+        size = self._wal_bytes()
+        return size == 0 or size >= self._checkpoint_at
+
+    def _wal_bytes(self) -> int:
+        try:
+            return self._wal.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _commit_checkpointing(
+        self,
+        inserts: list[tuple[int, str, float, str]],
+        drops: list[tuple[str, int]],
+        engines: dict[str, str],
+    ) -> None:
+        """Checkpoint if the WAL has grown past its size, then commit: off the
+        event loop (both may fsync)."""
+        if self._wal_bytes() >= self._checkpoint_at:
+            self._checkpoint()
+        self._commit(inserts, drops, engines)
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database. PASSIVE never waits: a reader of an
+        older snapshot (someone's ``sqlite3`` shell) keeps its frames in the
+        WAL, which then grows until the next try, a WAL's size later."""
+        busy, frames, copied = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        self.checkpoints += 1
+        if busy or copied < frames:
+            self._checkpoint_at = self._wal_bytes() + WAL_CHECKPOINT_BYTES
+            log.warning(
+                "journal checkpoint copied %d of %d WAL frames (another connection reads "
+                "the journal): the WAL grows to %d bytes before the next try",
+                copied,
+                frames,
+                self._checkpoint_at,
+            )
+        else:
+            # The next commit begins the WAL again, and journal_size_limit=0
+            # truncates the file to what that commit wrote.
+            self._checkpoint_at = WAL_CHECKPOINT_BYTES
+
+    def _commit(
+        self,
+        inserts: list[tuple[int, str, float, str]],
+        drops: list[tuple[str, int]],
+        engines: dict[str, str],
+    ) -> None:
+        """One transaction: the batch's records in, its departed handoffs' out."""
+        db = self._db
+        db.execute("BEGIN")
+        try:
+            db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", inserts)
+            if drops:
+                # Bounded by seq: a handoff id may be reused once its handoff left.
+                db.executemany("DELETE FROM records WHERE handoff_id = ? AND seq < ?", drops)
+            if engines:
+                db.executemany("INSERT OR REPLACE INTO engines VALUES (?, ?)", engines.items())
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def commit_now(self) -> None:
+        """Commit what is pending, synchronously (tools and tests without a writer)."""
+        assert self._writer is None, "the writer task commits while it runs"
+        self._commit_checkpointing(*self._take_batch())
+        self._committed = self._appended
+
+    async def close(self) -> None:
+        """Commit what is pending, checkpoint, and release the state dir."""
+        try:
+            if self._writer is None:
+                self.commit_now()
+            elif self._failure is None:
+                await self.durable()
+        finally:
+            if self._writer is not None:
+                self._writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._writer
+            if self._executor is None:
+                self.close_now()
+            else:
+                # The last checkpoint fsyncs: off the event loop too.
+                await asyncio.get_running_loop().run_in_executor(self._executor, self.close_now)
+                self._executor.shutdown()
+                self._executor = None
+
+    def close_now(self) -> None:
+        """Release without committing (start failed, or after close)."""
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+
+def fresh_incarnation() -> int:
+    """A coordinator incarnation from the clock (microseconds): new at each start,
+    and comparable with those the journal hands out, which never go back."""
+    return time.time_ns() // 1000
+
+
+def _lock(state_dir: Path) -> int:
+    """Hold ``state_dir`` for this process; a second server on it is refused."""
+    path = state_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StateDirBusy(
+            f"state dir {state_dir} is in use by another handoff server (pid {holder}); "
+            "one server per state dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _connect(path: Path, durability: str) -> sqlite3.Connection:
+    # check_same_thread off: opened here, then used by the writer, on the
+    # event loop or its thread, never both at once.
+    # Autocommit: _commit opens and ends its transactions itself.
+    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute(f"PRAGMA synchronous={DURABILITY[durability]}")
+        # The writer checkpoints itself, off the event loop (Journal._checkpoint).
+        connection.execute("PRAGMA wal_autocheckpoint=0")
+        connection.execute("PRAGMA journal_size_limit=0")
+        problems = [row[0] for row in connection.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(problems[:5]))
+        connection.executescript(SCHEMA)
+    except BaseException:
+        connection.close()
+        raise
+    return connection
+
+
+def _move_aside(path: Path, reason: str) -> None:
+    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+    for suffix in ("", "-wal", "-shm"):
+        part = path.with_name(path.name + suffix)
+        if part.exists():
+            part.rename(aside.with_name(aside.name + suffix))
+    log.error(
+        "journal %s is corrupt (%s); moved aside to %s and starting EMPTY: the handoffs it "
+        "held are lost to this server, their engines must free them on their own",
+        path,
+        reason,
+        aside,
+    )
+
+
+# --- torn tails ------------------------------------------------------------
+
+WAL_HEADER = struct.Struct(">IIIIIIII")
+FRAME_HEADER = struct.Struct(">IIIIII")
+
+
+def _report_torn_tail(path: Path) -> None:
+    """Log what SQLite is about to discard from the end of the WAL.
+
+    SQLite drops every WAL frame after the last one that commits a
+    transaction and passes its checksum chain (a write torn by a crash); it
+    does so silently. Scanning the same chain here says what was dropped. No
+    acknowledgement was ever built on it: nothing leaves before its commit.
+    """
+    wal = path.with_name(path.name + "-wal")
+    try:
+        data = wal.read_bytes()
+    except FileNotFoundError:
+        return
+    if len(data) < WAL_HEADER.size:
+        if data:
+            log.error("journal tail torn: a %d-byte WAL header is dropped", len(data))
+        return
+    magic, _, page_size, _, salt1, salt2, c1, c2 = WAL_HEADER.unpack_from(data)
+    if magic not in (0x377F0682, 0x377F0683):
+        return
+    word = "<" if magic == 0x377F0682 else ">"
+    s0, s1 = _checksum(data[:24], word, 0, 0)
+    if (s0, s1) != (c1, c2):
+        return  # an invalid header: SQLite ignores the whole file (nothing was committed)
+    frame = FRAME_HEADER.size + page_size
+    offset, committed_end, frames, whole = WAL_HEADER.size, WAL_HEADER.size, 0, 0
+    while offset + frame <= len(data):
+        _, commit_size, fsalt1, fsalt2, fc1, fc2 = FRAME_HEADER.unpack_from(data, offset)
+        if (fsalt1, fsalt2) != (salt1, salt2):
+            break  # a frame of an earlier pass over the file: the normal end
+        s0, s1 = _checksum(data[offset : offset + 8], word, s0, s1)
+        s0, s1 = _checksum(data[offset + FRAME_HEADER.size : offset + frame], word, s0, s1)
+        if (s0, s1) != (fc1, fc2):
+            break
+        frames += 1
+        offset += frame
+        if commit_size:
+            committed_end, whole = offset, frames
+    dropped_frames = frames - whole
+    # After the chain, frames of this pass (its salts, a bad checksum) are
+    # torn; frames of an earlier pass over the file are leftovers.
+    end_of_pass = offset
+    while end_of_pass + frame <= len(data):
+        _, _, fsalt1, fsalt2, _, _ = FRAME_HEADER.unpack_from(data, end_of_pass)
+        if (fsalt1, fsalt2) != (salt1, salt2):
+            break
+        dropped_frames += 1
+        end_of_pass += frame
+    partial = len(data) - end_of_pass if len(data) - end_of_pass < frame else 0
+    if dropped_frames or partial:
+        log.error(
+            "journal tail torn by a crash: %d WAL frames (%d bytes) after the last whole "
+            "transaction%s are dropped; they held calls never acknowledged",
+            dropped_frames,
+            end_of_pass + partial - committed_end,
+            f" and a partial frame of {partial} bytes" if partial else "",
+        )
+
+
+def _checksum(data: bytes, word: str, s0: int, s1: int) -> tuple[int, int]:
+    """SQLite's WAL checksum (https://sqlite.org/fileformat.html#checksum_algorithm)."""
+    values = struct.unpack(f"{word}{len(data) // 4}I", data)
+    for i in range(0, len(values), 2):
+        s0 = (s0 + values[i] + s1) & 0xFFFFFFFF
+        s1 = (s1 + values[i + 1] + s0) & 0xFFFFFFFF
+    return s0, s1

@@ -1,0 +1,443 @@
+"""The interceptor in front of every call: tokens, undecodable input, call and stream limits.
+
+For every RPC it checks the bearer token (unless the method is exempt, like
+health's Check). For every RPC but health's (which has budgets of its own,
+see :mod:`handoff_server.service.probes`) it counts the call against
+``max_concurrent_rpcs``. For the coordinator's own RPCs it also wraps the handler:
+
+- a request that does not decode gets INVALID_ARGUMENT (gRPC's own answer
+  would be UNKNOWN, with the parser's exception in the message);
+- the caller's certificate identity is put in :data:`security.CALLER` for the
+  servicer's engine checks;
+- at most ``max_engines`` engines hold a live stream (StreamActions or
+  Connect); a new subscription for an engine that already has one replaces
+  it in the registry and is always admitted.
+
+A Connect peer that does not read its acknowledgements is the servicer's to
+slow down (its ack window, ``Owed``): the guard does only what every call needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_server.ops.config import Settings
+from handoff_server.ops.metrics import RPCS, Metrics
+from handoff_server.service import security
+from handoff_server.service.convert import ENGINE_ID
+from handoff_server.service.probes import SERVICE as HEALTH_SERVICE
+from handoff_server.service.quotas import Budget, Quotas
+from handoff_server.service.security import EngineIdentities, Token, TokenSet
+
+log = logging.getLogger("handoff.guard")
+
+SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name + "/"
+HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
+# A Connect stream's hello must arrive within this; until it does, the stream
+# is counted server-wide only (its identity's count needs the engine id).
+HELLO_WITHIN_S = 10.0
+
+# grpc's handler objects are untyped at this level: behaviours take and
+# return messages of whichever type the method has.
+Handler = Any
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+# gRPC binds with SO_REUSEPORT by default: a second coordinator started on
+# the same port would bind too and take part of the connections, silently.
+# Off, it fails to start instead.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def grpc_options(settings: Settings) -> list[tuple[str, int]]:
+    """Server channel arguments for the message, stream, keepalive and age limits."""
+    options = [
+        EXCLUSIVE_PORT,
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+        ("grpc.keepalive_time_ms", round(settings.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
+        # In this gRPC the wait for a ping's ack is bounded by ping_timeout
+        # (default one minute), not by keepalive_timeout alone: set both.
+        ("grpc.http2.ping_timeout_ms", round(settings.keepalive_timeout_s * 1000)),
+        # Keepalive must also probe a connection that carries only an idle
+        # engine stream; by default gRPC stops pinging after two pings
+        # without data, and a dead engine would then go unnoticed.
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        (
+            "grpc.http2.min_ping_interval_without_data_ms",
+            round(settings.keepalive_min_client_interval_s * 1000),
+        ),
+    ]
+    if settings.max_connection_age_s > 0:
+        options += [
+            ("grpc.max_connection_age_ms", round(settings.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(settings.max_connection_age_grace_s * 1000)),
+        ]
+    return options
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """Stands in for a request whose bytes are not a message of the method's type."""
+
+    type_name: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception:
+            return Undecodable(type_name)
+
+    return deserialize
+
+
+class EngineStreams:
+    """Live engine streams, counted per engine id, at most ``limit`` engines."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live: dict[str, int] = {}
+
+    def admit(self, engine_id: str) -> bool:
+        count = self.live.get(engine_id, 0)
+        if count == 0 and len(self.live) >= self.limit:
+            return False
+        self.live[engine_id] = count + 1
+        return True
+
+    def release(self, engine_id: str) -> None:
+        count = self.live.pop(engine_id) - 1
+        if count:
+            self.live[engine_id] = count
+
+
+class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    def __init__(
+        self,
+        *,
+        metrics: Metrics,
+        streams: EngineStreams,
+        calls: Budget,
+        quotas: Quotas,
+        tokens: TokenSet | None = None,
+        exempt: tuple[str, ...] = (),
+        identities: EngineIdentities | None = None,
+        client_certificates: bool = False,
+    ) -> None:
+        self.metrics = metrics
+        self.streams = streams
+        self.calls = calls
+        self.quotas = quotas
+        self.tokens = tokens
+        self.exempt = exempt
+        self.identities = identities
+        self.client_certificates = client_certificates
+        # Method -> (handler found, its wrapper): gRPC looks handlers up on
+        # every call and finds the same object each time; wrap it once.
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        method = handler_call_details.method
+        if self.tokens is not None and not method.startswith(self.exempt):
+            holder = security.authenticate(
+                self.tokens, handler_call_details.invocation_metadata or ()
+            )
+            if isinstance(holder, str):
+                # Refused before the method is even looked up: an unknown
+                # method gets the same answer, and nothing of the request
+                # is read or parsed.
+                self._count(method, grpc.StatusCode.UNAUTHENTICATED)
+                return _refusal(grpc.StatusCode.UNAUTHENTICATED, holder)
+            rpc = method.removeprefix(SERVICE_PREFIX)
+            if not holder.may_call(rpc):
+                self._count(method, grpc.StatusCode.PERMISSION_DENIED)
+                scopes = ", ".join(sorted(holder.scopes)) or "none"
+                message = f"{holder} may not call {rpc[:80]} (its scopes: {scopes})"
+                return _refusal(grpc.StatusCode.PERMISSION_DENIED, message)
+            # The handler runs in this call's task, after this returns.
+            HOLDER.set(holder)
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(HEALTH_PREFIX):
+            return handler
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        if method.startswith(SERVICE_PREFIX):
+            wrapped = self._wrap(method.removeprefix(SERVICE_PREFIX), handler)
+        else:
+            wrapped = self._counted(handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _count(self, method: str, code: grpc.StatusCode) -> None:
+        rpc = method.removeprefix(SERVICE_PREFIX)
+        if rpc in RPCS:  # labels stay bounded whatever method names arrive
+            self.metrics.rejected(rpc, code.name)
+
+    async def _refuse(
+        self, rpc: str, context: Context, code: grpc.StatusCode, message: str
+    ) -> NoReturn:
+        self.metrics.rejected(rpc, code.name)
+        await context.abort(code, message)
+
+    def _identity(self, context: Context) -> str | None:
+        """The caller: its token's name, else its client certificate's first DNS or URI SAN."""
+        holder = HOLDER.get()
+        if holder is not None:
+            return str(holder)
+        if not self.client_certificates:
+            return None  # no certificate to read (and reading costs on every call)
+        return security.certificate_identity(context.auth_context())
+
+    async def _enter(
+        self, rpc: str, context: Context, engine_id: str | None = None, per_identity: bool = True
+    ) -> Held:
+        """Admit the call server-wide and for its caller's identity (or refuse
+        it), and note who makes it; :meth:`_leave` what it holds when it ends.
+
+        ``engine_id``: the call is that engine's stream, counted once per engine.
+        ``per_identity``: False to count it for its identity later (:meth:`_as_engine`).
+        """
+        if not self.calls.enter():
+            await self._refuse(
+                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
+            )
+        held = Held(self._identity(context))
+        if self.identities is not None:
+            security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
+        if held.identity is not None and per_identity:
+            if engine_id is None:
+                refusal = self.quotas.enter_call(held.identity)
+                held.call = refusal is None
+            else:
+                refusal = self.quotas.enter_stream(held.identity, engine_id)
+                held.engine_id = None if refusal else engine_id
+            if refusal is not None:
+                self.calls.leave()
+                await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        return held
+
+    def _leave(self, held: Held) -> None:
+        self.calls.leave()
+        if held.identity is None:
+            return
+        if held.call:
+            self.quotas.leave_call(held.identity)
+        if held.engine_id is not None:
+            self.quotas.leave_stream(held.identity, held.engine_id)
+
+    async def _as_engine(self, rpc: str, context: Context, held: Held, engine_id: str) -> None:
+        """A Connect stream's hello named ``engine_id``: now it counts for its identity,
+        once per engine (a stream replacing the same engine's is not counted again)."""
+        if held.identity is None:
+            return
+        refusal = self.quotas.enter_stream(held.identity, engine_id)
+        if refusal is not None:
+            await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        held.engine_id = engine_id
+
+    def _counted(self, handler: Handler) -> Handler:
+        """Another service's streaming handler (reflection), counted as a call."""
+        assert handler.stream_stream is not None, "only reflection is expected here"
+        inner = handler.stream_stream
+
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            held = await self._enter("ServerReflectionInfo", context)
+            try:
+                async for response in inner(requests, context):
+                    yield response
+            finally:
+                self._leave(held)
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
+
+    def _wrap(self, rpc: str, handler: Handler) -> Handler:
+        descriptor = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].methods_by_name[rpc]
+        type_name = descriptor.input_type.full_name
+        assert handler.request_deserializer is not None, f"{rpc} has no deserializer"
+        deserialize = _tolerant(handler.request_deserializer, type_name)
+        undecodable = f"the request is not a valid {type_name} message"
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+            starts = rpc == "StartHandoff"
+
+            async def unary(request: Any, context: Context) -> Any:
+                if isinstance(request, Undecodable):
+                    await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
+                held = await self._enter(rpc, context)
+                try:
+                    if starts and held.identity is not None:
+                        refusal = self.quotas.admit_start(held.identity)
+                        if refusal is not None:
+                            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                            await self._refuse(rpc, context, code, refusal)
+                    response = await inner(request, context)
+                    if starts and held.identity is not None:
+                        handoff = response.handoff
+                        if handoff.phase != pb.PHASE_COMPLETE:
+                            self.quotas.started(held.identity, handoff.handoff_id)
+                    return response
+                finally:
+                    self._leave(held)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, deserialize, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream_actions(rpc, handler.unary_stream, undecodable),
+                deserialize,
+                handler.response_serializer,
+            )
+        assert handler.stream_stream is not None, f"unexpected method shape for {rpc}"
+        return grpc.stream_stream_rpc_method_handler(
+            self._connect(rpc, handler.stream_stream, undecodable),
+            deserialize,
+            handler.response_serializer,
+        )
+
+    async def _admit(self, rpc: str, context: Context, engine_id: str) -> str | None:
+        """Count a stream for a well-formed engine id (a malformed one is the
+        servicer's to refuse); None when there is nothing to count."""
+        if not ENGINE_ID.fullmatch(engine_id):
+            return None
+        if not self.streams.admit(engine_id):
+            await self._refuse(
+                rpc,
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"engine {engine_id}: {self.streams.limit} engines already have a live "
+                "stream, the limit (max_engines)",
+            )
+        return engine_id
+
+    def _stream_actions(
+        self, rpc: str, inner: Callable[[Any, Context], AsyncGenerator[Any, None]], undecodable: str
+    ) -> Callable[[Any, Context], AsyncIterator[Any]]:
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            if isinstance(request, Undecodable):
+                await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
+            engine_id = request.engine_id if ENGINE_ID.fullmatch(request.engine_id) else None
+            held = await self._enter(rpc, context, engine_id)
+            try:
+                engine_id = await self._admit(rpc, context, request.engine_id)
+                try:
+                    async with contextlib.aclosing(inner(request, context)) as actions:
+                        async for action in actions:
+                            yield action
+                finally:
+                    if engine_id is not None:
+                        self.streams.release(engine_id)
+            finally:
+                self._leave(held)
+
+        return stream
+
+    def _connect(
+        self,
+        rpc: str,
+        inner: Callable[[AsyncIterator[Any], Context], AsyncGenerator[Any, None]],
+        undecodable: str,
+    ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            # Counted server-wide from the start (it holds a slot while it
+            # waits for its hello), and for its identity once the hello names
+            # its engine, which must come within HELLO_WITHIN_S.
+            held = await self._enter(rpc, context, per_identity=False)
+            try:
+                async with contextlib.aclosing(connected(requests, context, held)) as responses:
+                    async for response in responses:
+                        yield response
+            finally:
+                self._leave(held)
+
+        async def connected(
+            requests: AsyncIterator[Any], context: Context, held: Held
+        ) -> AsyncGenerator[Any, None]:
+            incoming = aiter(requests)
+            try:
+                async with asyncio.timeout(HELLO_WITHIN_S):
+                    first = await anext(incoming, None)
+            except TimeoutError:
+                message = f"no hello within {HELLO_WITHIN_S:g} s of opening the stream"
+                await self._refuse(rpc, context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
+            if isinstance(first, Undecodable):
+                await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
+            engine_id = None
+            if first is not None and first.WhichOneof("kind") == "hello":
+                if ENGINE_ID.fullmatch(first.hello.engine_id):
+                    await self._as_engine(rpc, context, held, first.hello.engine_id)
+                engine_id = await self._admit(rpc, context, first.hello.engine_id)
+            garbled: list[int] = []
+
+            async def reports() -> AsyncIterator[Any]:
+                if first is not None:
+                    yield first  # the hello (or whatever came first), never acknowledged
+                count = 1
+                async for request in incoming:
+                    count += 1
+                    if isinstance(request, Undecodable):
+                        # End the servicer's read as if the peer had half-closed,
+                        # so what came before is still acknowledged; then refuse.
+                        garbled.append(count)
+                        return
+                    yield request
+
+            try:
+                async with contextlib.aclosing(inner(reports(), context)) as responses:
+                    async for response in responses:
+                        yield response
+            finally:
+                if engine_id is not None:
+                    self.streams.release(engine_id)
+            if garbled:
+                await self._refuse(
+                    rpc,
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"message {garbled[0]} on this stream: {undecodable}",
+                )
+
+        return stream
+
+
+# The accepted token of the call being handled; set by the interceptor, which
+# runs in the call's own task before its handler.
+HOLDER: ContextVar[Token | None] = ContextVar("handoff_token_holder", default=None)
+
+
+@dataclass(slots=True)
+class Held:
+    """What one call holds in the per-identity accounting."""
+
+    identity: str | None  # None: an anonymous caller, counted server-wide only
+    call: bool = False  # counted as a call of its identity
+    engine_id: str | None = None  # counted as that engine's stream instead
+
+
+def _refusal(code: grpc.StatusCode, message: str) -> Handler:
+    # A stream-stream handler fits a call of any shape, and it never reads
+    # (so never deserializes) the request.
+    async def refuse(requests: AsyncIterator[bytes], context: Context) -> None:
+        await context.abort(code, message)
+
+    return grpc.stream_stream_rpc_method_handler(refuse)

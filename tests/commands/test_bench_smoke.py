@@ -1,0 +1,50 @@
+"""The service benchmark's smoke run completes and prints its table (no speed is asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support.vectors import ROOT
+
+
+def test_quick_bench_prints_its_table() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.service", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    for heading in ("| path | server | load | handoffs/s", "| memory | handoffs", "Soak:"):
+        assert heading in run.stdout, run.stdout
+    for path in ("stream (batched)", "stream (one per message)", "unary"):
+        for server in ("service", "floor"):
+            assert f"| {path} | {server} | max" in run.stdout, run.stdout
+
+
+def test_quick_shard_comparison_prints_its_figures() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.service", "--quick", "--shards", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "| round | load per shard | shards | shard | handoffs/s" in out, out
+    for mode in ("max", "100/s"):
+        assert f"| 1 | {mode} | 1 | shard x1 |" in out, out
+        for shard in ("handoff-0", "handoff-1"):
+            assert f"| 1 | {mode} | 2 | {shard} |" in out, out
+    # Only the shard comparison runs: no other phase was asked for.
+    assert "| path | server |" not in out
+    assert "Soak:" not in out
+    # Every start went to the shard that wins its id: no refusal, nothing unfinished.
+    assert "; errors 0" in out, out
+    assert "- server CPU per handoff at 100/s per shard: 1 shard" in out
+    assert "- capacity model:" in out

@@ -1,0 +1,120 @@
+"""`handoff` and `handoff serve`: clear refusals, their own usage, and a second signal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from importlib.metadata import version
+
+import pytest
+
+from handoff_client import EngineType, HandoffClient
+from handoff_server.commands.cli import DISTRIBUTION, main
+from handoff_server.ops import config
+
+SERVE = [sys.executable, "-m", "handoff_server.commands.cli", "serve"]
+LINK = "tcp://10.96.0.12:50051"  # what Kubernetes sets for a Service named "handoff"
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"handoff {version(DISTRIBUTION)}\n"
+
+
+def test_an_unknown_serve_argument_prints_serves_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--bogus"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: handoff serve ")
+    assert "handoff serve: error: unrecognized arguments: --bogus" in err
+
+
+OFF_OR_PORT = "must be -1 (off), 0 (any free port) to 65535, got"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "99999"], "port must be 0 (any free port) to 65535, got 99999"),
+        (["--port", "-1"], "port must be 0 (any free port) to 65535, got -1"),
+        (["--metrics-port", "-2"], f"metrics_port {OFF_OR_PORT} -2"),
+        (["--metrics-port", "65536"], f"metrics_port {OFF_OR_PORT} 65536"),
+        (["--health-port", "70000"], f"health_port {OFF_OR_PORT} 70000"),
+    ],
+)
+def test_serve_refuses_a_port_out_of_range(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *argv]) == 2
+    assert capsys.readouterr().err == f"handoff serve: {message}\n"
+
+
+def test_a_kubernetes_service_link_in_a_setting_variable_is_ignored() -> None:
+    environ = {"HANDOFF_PORT": LINK, "HANDOFF_METRICS_PORT": "9999"}
+    assert config.service_links(environ) == ["HANDOFF_PORT"]
+    settings = config.from_arguments(argparse.Namespace(), environ)
+    assert settings.port == config.Settings().port
+    assert settings.metrics_port == 9999
+
+
+def read_until(process: subprocess.Popen[str], pattern: str, seen: list[str]) -> re.Match[str]:
+    """Read the process's log until a line matches (readline returns '' once it exits)."""
+    assert process.stderr is not None
+    for line in process.stderr:
+        seen.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)}")
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_during_the_drain_exits_at_once(second: signal.Signals) -> None:
+    process = subprocess.Popen(
+        [*SERVE, "--host=127.0.0.1", "--port=0", "--metrics-port=-1", "--drain-grace-s=20"],
+        env=os.environ | {"HANDOFF_PORT": LINK},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    seen: list[str] = []
+    try:
+        serving = read_until(process, r"serving gRPC .*? on 127\.0\.0\.1:(\d+), (.*)$", seen)
+        assert serving.group(2) == "metrics off"
+        assert any("ignoring HANDOFF_PORT" in line for line in seen)
+        # A handoff whose engines never come: the drain would wait 2 x 20 s for it.
+        asyncio.run(start_one(f"127.0.0.1:{serving.group(1)}"))
+        process.send_signal(signal.SIGTERM)
+        read_until(process, r"draining: 1 handoffs unfinished", seen)
+        sent = time.monotonic()
+        process.send_signal(second)
+        assert process.wait(timeout=10) == 128 + second
+        assert time.monotonic() - sent < 5
+        assert process.stderr is not None
+        rest = process.stderr.read()
+        assert f"{second.name} again during the drain: exiting now, 1 handoffs unfinished" in rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+async def start_one(target: str) -> None:
+    async with asyncio.timeout(10), HandoffClient(target) as client:
+        await client.start_handoff(
+            str(uuid.uuid4()),
+            engine_type=EngineType.VLLM,
+            source_engine_id="prefill-0",
+            destination_engine_id="decode-0",
+        )

@@ -1,0 +1,203 @@
+"""Where the journal's commits run, on real SQLite files: with ``normal`` on the
+event loop, except what may fsync (the checkpoint, and the commit after it)
+and large batches, which run on the writer's thread; with ``full`` every
+commit on the thread.
+The WAL stays bounded, a reader cannot make the writer wait, close truncates
+the WAL, and a commit that fails on the event loop stops the server with
+nothing built on it sent.
+
+Where a statement ran is read from SQLite's own trace callback, which runs on
+the thread that executes the statement."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.durability.journal import (
+    DATABASE,
+    LOOP_BATCH_MAX,
+    WAL_CHECKPOINT_BYTES,
+    Journal,
+)
+from tests.support.rpc import SOURCE, StreamRecorder, start_request
+from tests.support.servers import StartServer
+
+CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
+BODY: list[object] = ["note", "x" * 1000]  # about a quarter of a page
+
+
+class Where:
+    """Counts the journal connection's COMMITs and checkpoints, by whether they
+    ran on the event loop's thread or another."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.loop_thread = threading.get_ident()
+        self.counts: Counter[tuple[str, str]] = Counter()
+        journal._db.set_trace_callback(self._trace)
+
+    def _trace(self, statement: str) -> None:
+        if statement in ("COMMIT", CHECKPOINT):
+            where = "loop" if threading.get_ident() == self.loop_thread else "thread"
+            self.counts[(statement, where)] += 1
+
+
+def wal_bytes(state_dir: Path) -> int:
+    wal = state_dir / f"{DATABASE}-wal"
+    return wal.stat().st_size if wal.exists() else 0
+
+
+def committed(state_dir: Path) -> int:
+    with sqlite3.connect(state_dir / DATABASE) as db:
+        count: int = db.execute("SELECT count(*) FROM records").fetchone()[0]
+        return count
+
+
+async def write(journal: Journal, state_dir: Path, commits: int, per_commit: int) -> list[int]:
+    """``commits`` commits of ``per_commit`` records each; the WAL's size after each."""
+    sizes = []
+    for i in range(commits):
+        for j in range(per_commit):
+            journal.append(f"h{i}-{j}", 1.0, BODY)
+        await journal.durable()
+        sizes.append(wal_bytes(state_dir))
+    return sizes
+
+
+@pytest.mark.timeout(60)
+async def test_normal_commits_on_the_loop_and_checkpoints_on_the_thread(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path, "normal")
+    where = Where(journal)
+    journal.start_writer()
+    try:
+        # About 3 pages a commit: the WAL passes its checkpoint size about
+        # every 300 commits.
+        sizes = await write(journal, tmp_path, 1500, 8)
+        assert committed(tmp_path) == 1500 * 8
+        assert journal.commits == 1500
+        assert journal.checkpoints >= 3
+        # Every checkpoint, and the commit that follows it, ran on the thread;
+        # every other commit on the loop.
+        assert where.counts == {
+            (CHECKPOINT, "thread"): journal.checkpoints,
+            ("COMMIT", "thread"): journal.checkpoints,
+            ("COMMIT", "loop"): 1500 - journal.checkpoints,
+        }
+        # Bounded: a checkpoint brings the file back to one commit's size.
+        assert max(sizes) < WAL_CHECKPOINT_BYTES + 64 * 1024, max(sizes)
+        assert min(sizes[300:]) < 64 * 1024, min(sizes[300:])
+    finally:
+        await journal.close()
+    assert wal_bytes(tmp_path) == 0  # close checkpoints (TRUNCATE)
+    assert committed(tmp_path) == 1500 * 8
+
+
+@pytest.mark.timeout(30)
+async def test_a_large_batch_commits_on_the_thread(tmp_path: Path) -> None:
+    """A batch the loop would stop for (the streaming path's) is worth the hop."""
+    journal = Journal.open(tmp_path, "normal")
+    where = Where(journal)
+    journal.start_writer()
+    try:
+        await write(journal, tmp_path, 1, LOOP_BATCH_MAX)
+        await write(journal, tmp_path, 1, LOOP_BATCH_MAX + 1)
+        assert where.counts == {("COMMIT", "loop"): 1, ("COMMIT", "thread"): 1}
+    finally:
+        await journal.close()
+    assert committed(tmp_path) == 2 * LOOP_BATCH_MAX + 1
+
+
+@pytest.mark.timeout(60)
+async def test_full_commits_on_the_thread_only(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path, "full")
+    where = Where(journal)
+    journal.start_writer()
+    try:
+        await write(journal, tmp_path, 400, 8)
+        assert journal.checkpoints >= 1
+        assert where.counts == {
+            (CHECKPOINT, "thread"): journal.checkpoints,
+            ("COMMIT", "thread"): 400,
+        }
+    finally:
+        await journal.close()
+    assert committed(tmp_path) == 400 * 8
+
+
+@pytest.mark.timeout(60)
+async def test_a_reader_holding_the_wal_does_not_make_the_writer_wait(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader of an old snapshot (someone's sqlite3 shell) keeps the checkpoint
+    from copying the whole WAL: commits go on, the writer retries a WAL's size
+    later, and once the reader is gone the WAL is copied and shrinks again."""
+    journal = Journal.open(tmp_path, "normal")
+    journal.start_writer()
+    reader = sqlite3.connect(tmp_path / DATABASE, isolation_level=None)
+    try:
+        await write(journal, tmp_path, 10, 8)
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM records").fetchone()  # holds this snapshot
+        with caplog.at_level(logging.WARNING, "handoff.journal"):
+            sizes = await asyncio.wait_for(write(journal, tmp_path, 700, 8), 30)
+        assert "journal checkpoint copied" in caplog.text
+        assert "another connection reads the journal" in caplog.text
+        assert max(sizes) > WAL_CHECKPOINT_BYTES  # it could not be copied back
+        reader.execute("COMMIT")
+        checkpoints = journal.checkpoints
+        sizes = await write(journal, tmp_path, 800, 8)
+        assert journal.checkpoints > checkpoints
+        assert sizes[-1] < WAL_CHECKPOINT_BYTES  # copied, and the file cut back
+        assert committed(tmp_path) == (10 + 700 + 800) * 8
+    finally:
+        reader.close()
+        await journal.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_server(
+    start_server: StartServer, tmp_path: Path
+) -> None:
+    """A real SQLite failure (a trigger that refuses every insert, put there by
+    another connection) in a commit on the event loop: the call is refused,
+    the server stops, and no action for the handoff reaches its engine."""
+    server = await start_server(state_dir=str(tmp_path))
+    assert server.journal is not None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        source = StreamRecorder(stub, SOURCE)
+        await source.subscribed()
+        first = str(uuid.uuid4())
+        await stub.StartHandoff(start_request(first))
+        await source.wait_for(first, 0)
+        with sqlite3.connect(tmp_path / DATABASE, isolation_level=None) as other:
+            other.execute(
+                "CREATE TRIGGER refuse BEFORE INSERT ON records "
+                "BEGIN SELECT RAISE(ABORT, 'refused by a trigger'); END"
+            )
+        # The next commit is a small one on the event loop: not the WAL's first,
+        # and the WAL is far below its checkpoint size.
+        assert 0 < wal_bytes(tmp_path) < WAL_CHECKPOINT_BYTES
+        second = str(uuid.uuid4())
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StartHandoff(start_request(second))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the journal cannot be written" in (refused.value.details() or "")
+        assert "refused by a trigger" in (refused.value.details() or "")
+        await server.failed.wait()
+        assert server.journal.checkpoints == 0
+        await server.stop()  # its shutdown cancels are refused by the journal too
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await source.stream_ended()
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [key for key in source.received if key[0] == second] == []
+    assert list(source.received) == [(first, 0)]

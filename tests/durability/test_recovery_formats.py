@@ -1,0 +1,152 @@
+"""The journal's formats: a completed handoff is one snapshot record (format 2),
+and a journal written by the release before snapshots (format 1) recovers.
+
+tests/fixtures/journal-v1/journal.sqlite3 was written by that release's server
+running tests/support/journal_history.py, with what its registry then held beside it
+(expected.json): recovery from the file must answer exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.model import (
+    Canceled,
+    DestinationReserved,
+    EngineLost,
+    Order,
+    Outcome,
+    OutcomeKind,
+    Role,
+    SourceHeld,
+    TimingMode,
+    TransferCompleted,
+    TransferTiming,
+)
+from handoff_server.domain.registry import NOT_RECORDING, Registry
+from handoff_server.durability.journal import DATABASE, FORMAT_VERSION, Journal
+from handoff_server.durability.records import RETAINED, JournalRecorder
+from handoff_server.durability.recovery import ReplayClock, recover
+from handoff_server.ops.metrics import Metrics
+from tests.durability.test_recovery import state
+from tests.support import journal_history
+from tests.support.fakes import FakeClock
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "journal-v1" / DATABASE
+
+
+def recovered(state_dir: Path, clock: FakeClock) -> tuple[Journal, Registry, int]:
+    journal = Journal.open(state_dir)
+    replay_clock = ReplayClock(clock)
+    registry = Registry(journal_history.SETTINGS, Metrics(), replay_clock)
+    result = recover(journal, registry, replay_clock)
+    assert result.skipped == 0
+    registry.recorder = JournalRecorder(journal)
+    return journal, registry, result.total
+
+
+def records(state_dir: Path, handoff_id: str) -> list[str]:
+    with sqlite3.connect(state_dir / DATABASE) as db:
+        rows = db.execute(
+            "SELECT body FROM records WHERE handoff_id = ? ORDER BY seq", (handoff_id,)
+        )
+        return [json.loads(body)[0] for (body,) in rows]
+
+
+def test_a_format_1_journal_recovers_as_its_history_ran(tmp_path: Path) -> None:
+    shutil.copy(FIXTURE, tmp_path / DATABASE)
+    with sqlite3.connect(tmp_path / DATABASE) as db:
+        assert db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0] == 1
+        kinds = {json.loads(body)[0] for (body,) in db.execute("SELECT body FROM records")}
+    assert RETAINED not in kinds  # history only: every record replays through the registry
+
+    expected = json.loads((FIXTURE.parent / "expected.json").read_text())
+    clock = FakeClock()
+    clock.now = expected["now"]
+    journal, registry, total = recovered(tmp_path, clock)
+    assert journal.engine_incarnations()  # the engines' incarnations came through too
+    assert total == len(expected["handoffs"])
+    assert journal_history.answers(registry) == expected["handoffs"]
+    phases = {
+        (type(e).__name__, e.core.phase, e.abandoned_at is not None)
+        for e in registry.handoffs.values()
+    }
+    assert len(phases) >= 4  # retained, active, cleaning up, abandoned: the fixture covers them
+
+    # Opened by this server, the file is format 2 from now on, and what
+    # completes now is written as a snapshot; it recovers the same again.
+    retained_before = {h for h, e in registry.handoffs.items() if isinstance(e, Retained)}
+    for handoff_id, entry in list(registry.handoffs.items()):
+        if isinstance(entry, Entry) and entry.abandoned_at is None:
+            for side in (Role.SOURCE, Role.DESTINATION):
+                if registry.handoffs[handoff_id].core.phase.value != "complete":
+                    registry.report_fact(handoff_id, EngineLost(side))
+    journal.commit_now()
+    journal.close_now()
+    newly = {h for h, e in registry.handoffs.items() if isinstance(e, Retained)} - retained_before
+    assert newly
+    for handoff_id in newly:
+        assert records(tmp_path, handoff_id) == [RETAINED]
+    registry.recorder = NOT_RECORDING
+    _, again, _ = recovered(tmp_path, clock)
+    assert state(again) == state(registry)
+    with sqlite3.connect(tmp_path / DATABASE) as db:
+        version = db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
+    assert version == FORMAT_VERSION == 2
+
+
+def test_a_completed_handoff_is_one_record_and_a_reopened_one_replays_from_it(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    journal, registry, _ = recovered(tmp_path, clock)
+    h = "h"
+    timing = TransferTiming(TimingMode.FULL_PROMPT, 100, 10, 1.0)
+    trace = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),)
+    registry.start(StartRequest(h, Order.SOURCE_FIRST, "p", "d", 5.0, trace_context=trace))
+    for step in (
+        (0, OutcomeKind.SUBMITTED),
+        SourceHeld(timing),
+        (1, OutcomeKind.ACCEPTED),
+        DestinationReserved(100),
+        (2, OutcomeKind.SCHEDULED),
+        TransferCompleted(),
+        (3, OutcomeKind.APPLIED),
+    ):
+        clock.now += 0.5
+        if isinstance(step, tuple):
+            registry.report_outcome(h, step[0], Outcome(step[1]))
+        else:
+            registry.report_fact(h, step)
+    journal.commit_now()
+    assert records(tmp_path, h)[-1] != RETAINED  # ReleaseSource still outstanding
+    registry.report_outcome(h, 4, Outcome(OutcomeKind.APPLIED))
+    journal.commit_now()
+    assert records(tmp_path, h) == [RETAINED]  # its history went in the same commit
+
+    # A decode-phase cancel reopens the success: records follow the snapshot,
+    # and the second completion replaces them all with one snapshot again.
+    clock.now += 1.0
+    registry.report_fact(h, Canceled())
+    reopened_entry = registry.handoffs[h]
+    assert isinstance(reopened_entry, Entry)
+    assert reopened_entry.core.outstanding  # CancelDestination, owed
+    journal.commit_now()
+    assert records(tmp_path, h) == [RETAINED, "canceled"]
+    journal.close_now()
+    registry.recorder = NOT_RECORDING
+    journal, reopened, _ = recovered(tmp_path, clock)
+    assert state(reopened) == state(registry)
+    assert reopened.handoffs[h].trace_context == trace
+    for action in reopened_entry.core.outstanding:
+        reopened.report_outcome(h, action.id, Outcome(OutcomeKind.APPLIED))
+        registry.report_outcome(h, action.id, Outcome(OutcomeKind.APPLIED))
+    journal.commit_now()
+    journal.close_now()
+    assert records(tmp_path, h) == [RETAINED]
+    _, last, _ = recovered(tmp_path, clock)
+    assert state(last) == state(registry)

@@ -1,0 +1,351 @@
+"""Issue 17's attacks, each against a real `handoff serve` with a well-behaved client alongside.
+
+Each test attacks for a bounded number of calls and seconds, on loopback
+only, then checks that the well-behaved client's handoffs kept completing
+without errors, and that the server's memory stayed bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
+from tests.support.attack import (
+    Served,
+    WellBehaved,
+    alongside,
+    bearer,
+    serving,
+    start_request,
+)
+from tests.support.security import Stub
+
+TOKEN = "attack-test-token-0123456789"
+ATTACKER = "attacker-token-0123456789ab"
+TIMEOUT_S = 60.0
+# Generous: the server idles at ~50 MiB; the issue's attacks took it past 1.6 GiB.
+RSS_CEILING_MIB = 300.0
+# What the well-behaved client must manage while under attack, at the least.
+MIN_COMPLETED = 3
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n{ATTACKER}\n")
+    async with serving(tmp_path, "--token-file", str(tokens)) as served:
+        yield served
+
+
+def assert_unharmed(client: WellBehaved, served: Served) -> None:
+    assert not client.errors, f"the well-behaved client failed: {dict(client.errors)}"
+    assert client.completed >= MIN_COMPLETED, f"only {client.completed} handoffs completed"
+    assert served.rss_mib() < RSS_CEILING_MIB
+    log = served.log_text()
+    assert "Traceback" not in log, log[-4000:]
+    assert " ERROR " not in log, log[-4000:]
+
+
+def bomb(reports: int) -> pb.ConnectRequest:
+    """One message of ``reports`` empty reports: ~2 bytes each on the wire."""
+    message = pb.ConnectRequest()
+    for _ in range(reports):
+        message.reports.add()
+    return message
+
+
+async def test_connect_report_bombs_are_refused_before_any_report_is_handled(
+    served: Served,
+) -> None:
+    """The issue's bomb: 32,767 empty reports in one 64 KiB message, acks never read."""
+    streams = 30
+    payload = bomb(32_767)
+    assert payload.ByteSize() <= 65_536
+
+    async def requests(engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
+        yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id, batch=True))
+        yield payload
+        # Held open, never reading: a write after the refusal would fail on
+        # the client's side (INTERNAL), which says nothing about the server.
+        await asyncio.Event().wait()
+
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        calls = [
+            stub.Connect(requests(f"bomber-{n}"), metadata=bearer(ATTACKER)) for n in range(streams)
+        ]
+        codes = await asyncio.gather(*(call.code() for call in calls))
+        rss_after = served.rss_mib()
+        assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        details = await calls[0].details()
+        assert details == (
+            f"engine bomber-0: a Connect message carries 32767 reports; the limit is "
+            f"{MAX_REPORTS_PER_MESSAGE} per message (max_reports_per_message)"
+        )
+        # The refusal came before any report was handled: no ack was sent.
+        with pytest.raises(grpc.aio.AioRpcError):
+            await calls[0].read()
+        await client.completed_at_least(MIN_COMPLETED)
+    assert_unharmed(client, served)
+    assert rss_after < RSS_CEILING_MIB
+
+
+async def test_a_connect_peer_at_the_cap_that_reads_its_acks_does_not_starve_others(
+    served: Served,
+) -> None:
+    """Four streams sending full messages as fast as their acks come back."""
+    per_stream = 40  # messages of MAX_REPORTS_PER_MESSAGE reports each
+    report = pb.ConnectReport(
+        fact=pb.ReportFactRequest(
+            handoff_id="00000000-0000-4000-8000-000000000000",
+            fact=pb.Fact(timed_out=pb.TimedOut()),
+        )
+    )
+
+    async def flood(stub: Stub, engine_id: str) -> int:
+        sent = asyncio.Semaphore(2)  # two messages in flight at most: it reads its acks
+
+        async def requests() -> AsyncIterator[pb.ConnectRequest]:
+            yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id=engine_id, batch=True))
+            for number in range(per_stream):
+                await sent.acquire()
+                message = pb.ConnectRequest()
+                for index in range(MAX_REPORTS_PER_MESSAGE):
+                    added = message.reports.add(request_id=number * 1000 + index)
+                    added.CopyFrom(report)
+                yield message
+
+        acks = 0
+        call = stub.Connect(requests(), metadata=bearer(ATTACKER))
+        async for response in call:
+            acks += len(response.acks)
+            if acks % MAX_REPORTS_PER_MESSAGE == 0:
+                sent.release()
+            if acks == per_stream * MAX_REPORTS_PER_MESSAGE:
+                call.cancel()
+        return acks
+
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        floods = [asyncio.create_task(flood(stub, f"flooder-{n}")) for n in range(4)]
+        await client.completed_at_least(MIN_COMPLETED)
+        for task in floods:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*floods, return_exceptions=True)
+    assert_unharmed(client, served)
+
+
+async def silent_check(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    """A health Check that sends its headers and never its request."""
+
+    async def nothing() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+        await asyncio.Event().wait()
+        yield health_pb2.HealthCheckRequest()  # pragma: no cover (never reached)
+
+    call = channel.stream_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )(nothing())
+    return await call.code()
+
+
+async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
+    served: Served,
+) -> None:
+    """10 connections of 200 Watch streams and 200 Checks that never send
+    their request, all without a token, on the gRPC port."""
+    connections, per_connection = 10, 200
+    own = ("grpc.use_local_subchannel_pool", 1)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        contextlib.AsyncExitStack() as stack,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(served.target, options=[own]))
+            for _ in range(connections)
+        ]
+        watches = [
+            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            for channel in channels
+            for _ in range(per_connection)
+        ]
+        checks = [
+            asyncio.create_task(silent_check(channel))
+            for channel in channels
+            for _ in range(per_connection)
+        ]
+        watch_codes = await asyncio.gather(*(call.code() for call in watches))
+        # Refused before the request is read; the client sometimes sees the
+        # stream's reset (CANCELLED) before the refusal. Never served.
+        assert set(watch_codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED}
+        assert watch_codes.count(grpc.StatusCode.UNAUTHENTICATED) > len(watch_codes) // 2
+        check_codes = await asyncio.gather(*checks)
+        # Each silent Check is ended after health_request_within_s, or refused
+        # at once when the checks' own budget is full (or reset, as above).
+        assert set(check_codes) <= {
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.CANCELLED,
+        }
+        assert grpc.StatusCode.DEADLINE_EXCEEDED in check_codes
+        await client.completed_at_least(MIN_COMPLETED)
+    assert_unharmed(client, served)
+
+
+async def test_watch_streams_on_the_health_port_never_fail_a_probe(served: Served) -> None:
+    """The issue's 64 Watch streams on the plaintext health port, then `handoff health`.
+
+    The health port takes 8 calls per connection, so the 64 come over 8 connections.
+    """
+    health_target = f"127.0.0.1:{served.health_port}"
+    own = ("grpc.use_local_subchannel_pool", 1)
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        contextlib.AsyncExitStack() as stack,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(health_target, options=[own]))
+            for _ in range(8)
+        ]
+        watches = [
+            health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            for channel in channels
+            for _ in range(8)
+        ]
+        codes = await asyncio.gather(*(_first_or_code(call) for call in watches))
+        assert codes.count(grpc.StatusCode.OK) == 16  # max_health_watches, held open
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 48
+        probe = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "handoff_server.commands.cli",
+            "health",
+            "--target",
+            health_target,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        output, _ = await probe.communicate()
+        assert probe.returncode == 0, output
+        assert b"is SERVING" in output
+        await client.completed_at_least(MIN_COMPLETED)
+        for call in watches:
+            call.cancel()
+    assert_unharmed(client, served)
+
+
+async def _first_or_code(call: grpc.aio.UnaryStreamCall[object, object]) -> grpc.StatusCode:
+    """OK once the stream's first answer arrived (it stays open), else its status."""
+    try:
+        await call.read()
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.fixture
+async def strict(tmp_path: Path) -> AsyncIterator[Served]:
+    """Named tokens, and per-identity limits low enough to reach in a few seconds."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"good {TOKEN}\nflood {ATTACKER} start,engine,report\n")
+    flags = (
+        *("--token-file", str(tokens)),
+        *("--max-starts-per-s-per-identity", "100"),
+        *("--max-active-handoffs-per-identity", "300"),
+        *("--max-calls-per-identity", "50"),
+    )
+    async with serving(tmp_path, *flags) as served:
+        yield served
+
+
+async def test_a_start_handoff_flood_hits_its_own_limits_and_nobody_else_s(
+    strict: Served,
+) -> None:
+    """One token holder starts handoffs as fast as it can (never finishing
+    them); the other's StartHandoff is never refused."""
+    flood_size, in_flight = 2000, 40
+    codes: Counter[str] = Counter()
+    details: set[str] = set()
+
+    async def flood(stub: Stub) -> None:
+        for _ in range(flood_size // in_flight):
+            request = start_request("flood-src", "flood-dst")
+            try:
+                await stub.StartHandoff(request, metadata=bearer(ATTACKER))
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as error:
+                codes[error.code().name] += 1
+                details.add(error.details() or "")
+
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(strict.target) as good,
+        grpc.aio.insecure_channel(strict.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        await asyncio.gather(*(flood(stub) for _ in range(in_flight)))
+        await client.completed_at_least(MIN_COMPLETED)
+    assert codes["OK"] <= 300  # max_active_handoffs_per_identity: none of them completes
+    assert codes["RESOURCE_EXHAUSTED"] == flood_size - codes["OK"]
+    assert details <= {
+        "token flood starts more than 100 handoffs per second, the limit per identity "
+        "(max_starts_per_s_per_identity)",
+        "token flood has 300 active handoffs, the limit per identity "
+        "(max_active_handoffs_per_identity)",
+    }
+    assert_unharmed(client, strict)
+
+
+async def test_idle_connections_to_metrics_start_no_threads_and_never_lock_out_a_scrape(
+    served: Served,
+) -> None:
+    """The issue's 600 idle connections to /metrics, then a scrape."""
+    threads_before = served.threads()
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        idle = [await asyncio.open_connection("127.0.0.1", served.metrics_port) for _ in range(600)]
+        # Half a request each, never finished.
+        for _, writer in idle:
+            writer.write(b"GET /metrics HTTP/1.1\r\n")
+        await asyncio.gather(*(writer.drain() for _, writer in idle), return_exceptions=True)
+        assert served.threads() <= threads_before + 2  # the rendering pool, at most
+        reader, writer = await asyncio.open_connection("127.0.0.1", served.metrics_port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = await reader.read()
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"handoff_started_total" in answer
+        writer.close()
+        await client.completed_at_least(MIN_COMPLETED)
+        for _, held in idle:
+            held.close()
+    assert_unharmed(client, served)

@@ -1,0 +1,260 @@
+"""A real `handoff serve` process to attack, and a well-behaved client beside the attacker.
+
+Every attack test starts the server as its own process (so its RSS, read
+from /proc, is the server's alone, and a blocked event loop there cannot
+stall the test), runs a :class:`WellBehaved` frontend with its two engines
+while the attack lasts, and then checks that those handoffs kept completing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from handoff_proto.v1 import coordinator_pb2 as pb
+from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from tests.support.fakes import free_port
+from tests.support.rpc import ACCEPTED, APPLIED, HELD, RESERVED, SCHEDULED, SUBMITTED, TRANSFERRED
+from tests.support.security import Stub
+
+START_WITHIN_S = 20.0
+BIND_ATTEMPTS = 3
+# Each handoff of the well-behaved client must finish within this, attack or not.
+HANDOFF_WITHIN_S = 5.0
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/<pid>/status (VmRSS in KiB, Threads, ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for process {pid}")
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of process ``pid``, in MiB, from /proc."""
+    return proc_status(pid, "VmRSS") / 1024
+
+
+@dataclass
+class Served:
+    """A running `handoff serve` process on loopback."""
+
+    process: asyncio.subprocess.Process
+    port: int
+    health_port: int
+    metrics_port: int
+    log: Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def rss_mib(self) -> float:
+        return rss_mib(self.process.pid)
+
+    def threads(self) -> int:
+        return proc_status(self.process.pid, "Threads")
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+async def _serving(served: Served) -> bool:
+    """Until the health port answers SERVING (True), or the process exits (False):
+    a process start announces nothing else."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{served.health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while served.process.returncode is None:
+            try:
+                answer = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.05)
+        return False
+
+
+@contextlib.asynccontextmanager
+async def serving(folder: Path, *flags: str) -> AsyncIterator[Served]:
+    """`handoff serve` with ``flags`` on free loopback ports; SIGTERM at exit.
+
+    A port found free can be taken by another process before the server binds
+    it (servers bind exclusively, so it then exits naming the address): such a
+    start is tried again on new ports, a few times."""
+    for attempt in range(1, BIND_ATTEMPTS + 1):
+        served = await _start(folder, flags)
+        try:
+            async with asyncio.timeout(START_WITHIN_S):
+                started = await _serving(served)
+        except BaseException:
+            await _stop(served.process)
+            raise
+        if started:
+            break
+        if " in use" not in served.log_text() or attempt == BIND_ATTEMPTS:
+            raise AssertionError(f"handoff serve exited at start:\n{served.log_text()}")
+    try:
+        yield served
+    finally:
+        await _stop(served.process)
+
+
+async def _start(folder: Path, flags: tuple[str, ...]) -> Served:
+    port, health_port, metrics_port = free_port(), free_port(), free_port()
+    log = folder / f"serve-{port}.log"
+    argv = [
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--health-host", "127.0.0.1", "--health-port", str(health_port)),
+        *("--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)),
+        *("--drain-grace-s", "0.2"),
+        *flags,
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HANDOFF_")}
+    with log.open("wb") as sink:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "handoff_server.commands.cli",
+            "serve",
+            *argv,
+            stdout=sink,
+            stderr=sink,
+            env=env,
+        )
+    return Served(process, port, health_port, metrics_port, log)
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(START_WITHIN_S):
+                await process.wait()
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def bearer(token: str) -> Metadata:
+    return (("authorization", f"Bearer {token}"),)
+
+
+def start_request(source: str, destination: str) -> pb.StartHandoffRequest:
+    return pb.StartHandoffRequest(
+        handoff_id=str(uuid.uuid4()),
+        engine_type=pb.ENGINE_TYPE_VLLM,
+        source_engine_id=source,
+        destination_engine_id=destination,
+    )
+
+
+@dataclass
+class WellBehaved:
+    """A frontend and its two engines doing one handoff after another, to success.
+
+    The engines hold action streams (so nothing waits for an absent engine);
+    the reports go over the unary calls. ``completed`` counts handoffs that
+    reached SUCCESS, ``errors`` every call that failed, by code.
+    """
+
+    channel: grpc.aio.Channel
+    metadata: Metadata = ()
+    source: str = "good-prefill"
+    destination: str = "good-decode"
+    completed: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    _progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def completed_at_least(self, count: int) -> None:
+        """Until ``count`` handoffs completed, or one failed (the caller then sees it)."""
+        while self.completed < count and not self.errors:
+            self._progress.clear()
+            await self._progress.wait()
+
+    async def run(self, until: asyncio.Event) -> None:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(self.channel)
+        streams = [
+            stub.StreamActions(pb.StreamActionsRequest(engine_id=engine), metadata=self.metadata)
+            for engine in (self.source, self.destination)
+        ]
+        drains = [asyncio.create_task(_drain(stream)) for stream in streams]
+        try:
+            while not until.is_set():
+                try:
+                    async with asyncio.timeout(HANDOFF_WITHIN_S):
+                        await self._one(stub)
+                    self.completed += 1
+                except grpc.aio.AioRpcError as error:
+                    self.errors[error.code().name] += 1
+                except TimeoutError:
+                    self.errors["SLOWER_THAN_HANDOFF_WITHIN_S"] += 1
+                self._progress.set()
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*drains, return_exceptions=True)
+
+    async def _one(self, stub: Stub) -> None:
+        started = await stub.StartHandoff(
+            start_request(self.source, self.destination), metadata=self.metadata
+        )
+        handoff_id = started.handoff.handoff_id
+        steps: Sequence[tuple[int, pb.Outcome] | pb.Fact] = (
+            (0, SUBMITTED),
+            HELD,
+            (1, ACCEPTED),
+            RESERVED,
+            (2, SCHEDULED),
+            TRANSFERRED,
+            (3, APPLIED),
+            (4, APPLIED),
+        )
+        handoff = started.handoff
+        for step in steps:
+            if isinstance(step, pb.Fact):
+                request = pb.ReportFactRequest(handoff_id=handoff_id, fact=step)
+                handoff = (await stub.ReportFact(request, metadata=self.metadata)).handoff
+            else:
+                action_id, outcome = step
+                report = pb.ReportOutcomeRequest(
+                    handoff_id=handoff_id, action_id=action_id, outcome=outcome
+                )
+                handoff = (await stub.ReportOutcome(report, metadata=self.metadata)).handoff
+        assert handoff.completion == pb.COMPLETION_SUCCESS, handoff
+
+
+async def _drain(stream: grpc.aio.UnaryStreamCall[pb.StreamActionsRequest, pb.Action]) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+        async for _ in stream:
+            pass
+
+
+@contextlib.asynccontextmanager
+async def alongside(
+    channel: grpc.aio.Channel, metadata: Metadata = ()
+) -> AsyncIterator[WellBehaved]:
+    """A :class:`WellBehaved` client running for the block's duration."""
+    client = WellBehaved(channel, metadata)
+    until = asyncio.Event()
+    task = asyncio.create_task(client.run(until))
+    try:
+        yield client
+    finally:
+        until.set()
+        await task

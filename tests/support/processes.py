@@ -1,0 +1,30 @@
+"""Real ``handoff serve`` processes, for the tests that kill one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_process(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
+    """``handoff serve`` on loopback ``port`` in a process of its own (no metrics
+    port, info logs appended to ``log``), with ``flags`` added."""
+    command = [
+        sys.executable,
+        "-m",
+        "handoff_server.commands.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--metrics-port",
+        "-1",
+        "--log-level",
+        "info",
+        *flags,
+    ]
+    return subprocess.Popen(command, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
