@@ -76,7 +76,8 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 ChannelOptions = Sequence[tuple[str, str | int]]
-Side = tuple[str, Role]  # a handoff id and the engine's role in it
+SideId = tuple[str, Role]  # a handoff id and the engine's role in it
+Side = SideId  # the name before there were other kinds of side: kept for code that imports it
 # One Reconcile request carries sides up to about this many bytes: well under
 # the server's default 64 KiB message limit, whatever the ids' length.
 RECONCILE_CHUNK_BYTES = 32 * 1024
@@ -322,8 +323,8 @@ class HandoffClient:
         *,
         incarnation: str,
         session_id: str,
-        held: Sequence[Side],
-        freed: Sequence[Side],
+        held: Sequence[SideId],
+        freed: Sequence[SideId],
         timeout_s: float | None = None,
     ) -> Reconciled:
         """Tell the coordinator what ``engine_id`` holds and freed on its own; which to free.
@@ -556,9 +557,9 @@ _ROLE_TO_PB = {Role.SOURCE: pb.ROLE_SOURCE, Role.DESTINATION: pb.ROLE_DESTINATIO
 _RELEASE_REASONS = frozenset(reason.value for reason in ReleaseReason)
 
 
-def _chunks(sides: list[tuple[Side, bool]]) -> list[list[tuple[Side, bool]]]:
+def _chunks(sides: list[tuple[SideId, bool]]) -> list[list[tuple[SideId, bool]]]:
     """``sides`` cut into requests of at most about RECONCILE_CHUNK_BYTES; at least one."""
-    chunks: list[list[tuple[Side, bool]]] = [[]]
+    chunks: list[list[tuple[SideId, bool]]] = [[]]
     size = 0
     for side in sides:
         weight = len(side[0][0]) + 8  # the id, plus a side's framing and role
