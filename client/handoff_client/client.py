@@ -1,13 +1,15 @@
 """HandoffClient: typed async calls to the coordinator.
 
-Every call has a deadline (``timeout_s``, per client and per call) and raises a
-:class:`~handoff_client.errors.HandoffRpcError` subclass on failure. Calls that
-the server makes idempotent (GetHandoff, ReportFact, ReportOutcome) are retried
-on UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is
+Every call has a deadline (``timeout_s``, per client and per call) that it
+never outlives, whatever the retry policy, and raises a
+:class:`~handoff_client.errors.HandoffRpcError` subclass on failure
+(DeadlineExceededError once the deadline passed). Calls that the server makes
+idempotent (GetHandoff, ReportFact, ReportOutcome, Reconcile) are retried on
+UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is
 idempotent too (the same id with the same parameters answers the handoff as it
 stands, flagged ``already_started``), so it is retried on UNAVAILABLE and on
-DEADLINE_EXCEEDED, each attempt with the whole deadline: an attempt whose
-answer was lost is answered by the next one.
+DEADLINE_EXCEEDED inside its deadline: an attempt whose answer was lost is
+answered by the next one.
 
 Sharded coordinators (docs/sharding.md): the client learns the shard map
 (routing.py) and sends a new handoff to the shard that wins it by rendezvous
@@ -18,6 +20,7 @@ with one shard, every call takes the one channel as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -36,6 +39,7 @@ from handoff_client.convert import (
 )
 from handoff_client.credentials import ChannelSecurity, PemSource
 from handoff_client.errors import (
+    DeadlineExceededError,
     HandoffRpcError,
     MisroutedError,
     NotFoundError,
@@ -63,8 +67,7 @@ from handoff_client.routing import REFRESH_S, Router
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-# Which failures each kind of call retries; a call retried on
-# DEADLINE_EXCEEDED gives every attempt the whole deadline.
+# Which failures each kind of call retries, inside its deadline.
 RETRY_UNAVAILABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRY_UNAVAILABLE_OR_DEADLINE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -198,6 +201,11 @@ class HandoffClient:
         """
         return self._router.owner(handoff_id) or self._router.known.owner_of(handoff_id)
 
+    def shard_map_stale(self) -> None:
+        """A shard did not answer: it may be back on another address, so learn the
+        map again soon (at most once a second)."""
+        self._router.stale()
+
     def for_shard(self, name: str) -> HandoffClient:
         """A client for shard ``name`` alone, on this client's channel to it: no routing.
 
@@ -236,8 +244,9 @@ class HandoffClient:
             raise
 
     async def _ask_shard_map(self, shard: str | None) -> ShardMap:
+        request, deadline = pb.GetShardMapRequest(), self._deadline(None)
         response: pb.GetShardMapResponse = await self._call(
-            "GetShardMap", pb.GetShardMapRequest(), None, retry=NO_RETRY, shard=shard
+            "GetShardMap", request, deadline, retry=NO_RETRY, shard=shard
         )
         return ShardMap(tuple(ShardInfo(s.name, s.address, s.placing) for s in response.shards))
 
@@ -259,8 +268,8 @@ class HandoffClient:
         """Create and start one handoff. Give ``order`` or ``engine_type`` (or both, agreeing).
 
         ``handoff_timeout_s`` is the handoff's own deadline (server default when
-        None); ``timeout_s`` is each attempt's. Retried on UNAVAILABLE and
-        DEADLINE_EXCEEDED per ``retry`` (for up to 15 s by default): when an earlier
+        None); ``timeout_s`` is the call's, attempts included. Retried on UNAVAILABLE
+        and DEADLINE_EXCEEDED per ``retry``, within ``timeout_s``: when an earlier
         attempt reached the server, the answer has ``already_started`` set and
         no actions (they went to the engines' streams). ALREADY_EXISTS means
         the id is taken by a handoff with other parameters; the message names
@@ -284,7 +293,9 @@ class HandoffClient:
         )
         # The caller's trace continues in the coordinator (with the otel extra).
         metadata = self._metadata + tracing.current_context_metadata()
-        response = await self._start(handoff_id, request, timeout_s, metadata)
+        deadline = self._deadline(timeout_s)
+        async with self._within("StartHandoff", handoff_id, deadline):
+            response = await self._start(handoff_id, request, deadline, metadata)
         return HandoffUpdate(
             handoff_from_pb(response.handoff),
             actions_from_pb(response.actions),
@@ -296,7 +307,7 @@ class HandoffClient:
     ) -> HandoffUpdate:
         request = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
         response: pb.ReportFactResponse = await self._routed(
-            "ReportFact", handoff_id, request, timeout_s
+            "ReportFact", handoff_id, request, self._deadline(timeout_s)
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
@@ -313,7 +324,7 @@ class HandoffClient:
             handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
         )
         response: pb.ReportOutcomeResponse = await self._routed(
-            "ReportOutcome", handoff_id, request, timeout_s
+            "ReportOutcome", handoff_id, request, self._deadline(timeout_s)
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
@@ -329,12 +340,13 @@ class HandoffClient:
     ) -> Reconciled:
         """Tell the coordinator what ``engine_id`` holds and freed on its own; which to free.
 
-        Sent in as many requests as the message limit needs (each within
+        Sent in as many requests as the message limit needs (all within
         ``timeout_s``), freed sides first; retried on UNAVAILABLE (a
         reconcile is idempotent). See :class:`~handoff_client.sidecar.EngineSidecar`.
         """
         releases: list[Release] = []
         lost_applied = 0
+        deadline = self._deadline(timeout_s)
         for chunk in _chunks([(side, True) for side in freed] + [(side, False) for side in held]):
             request = pb.ReconcileRequest(
                 engine_id=engine_id, incarnation=incarnation, session_id=session_id
@@ -343,7 +355,7 @@ class HandoffClient:
                 sides = request.freed if was_freed else request.held
                 sides.add(handoff_id=handoff_id, role=_ROLE_TO_PB[role])
             response: pb.ReconcileResponse = await self._call(
-                "Reconcile", request, timeout_s, retry=RETRY_UNAVAILABLE
+                "Reconcile", request, deadline, retry=RETRY_UNAVAILABLE
             )
             lost_applied += response.lost_applied
             releases.extend(
@@ -362,7 +374,7 @@ class HandoffClient:
     async def get_handoff(self, handoff_id: str, *, timeout_s: float | None = None) -> Handoff:
         request = pb.GetHandoffRequest(handoff_id=handoff_id)
         response: pb.GetHandoffResponse = await self._routed(
-            "GetHandoff", handoff_id, request, timeout_s
+            "GetHandoff", handoff_id, request, self._deadline(timeout_s)
         )
         return handoff_from_pb(response.handoff)
 
@@ -434,7 +446,7 @@ class HandoffClient:
         self,
         handoff_id: str,
         request: pb.StartHandoffRequest,
-        timeout_s: float | None,
+        deadline: float,
         metadata: tuple[tuple[str, str], ...],
     ) -> pb.StartHandoffResponse:
         """At the rendezvous winner, or where an earlier attempt for the id went."""
@@ -442,14 +454,14 @@ class HandoffClient:
         shard_map = await self._router.shard_map()
         if len(shard_map.shards) == 1:
             single: pb.StartHandoffResponse = await self._call(
-                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata
+                "StartHandoff", request, deadline, retry=retry, metadata=metadata
             )
             return single
         shard = self._router.owner(handoff_id) or shard_map.owner_of(handoff_id)
         self._router.remember(handoff_id, shard)  # a retry goes where this attempt went
         try:
             response: pb.StartHandoffResponse = await self._call(
-                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata, shard=shard
+                "StartHandoff", request, deadline, retry=retry, metadata=metadata, shard=shard
             )
         except MisroutedError as refused:
             # Our map is behind the shard's: learn it again, and go where it said, once.
@@ -462,23 +474,29 @@ class HandoffClient:
             shard = refused.owner
             self._router.remember(handoff_id, shard)
             response = await self._call(
-                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata, shard=shard
+                "StartHandoff", request, deadline, retry=retry, metadata=metadata, shard=shard
             )
         self._router.remember(handoff_id, response.shard or shard)
         return response
 
     async def _routed(
-        self, rpc: str, handoff_id: str, request: Request, timeout_s: float | None
+        self, rpc: str, handoff_id: str, request: Request, deadline: float
     ) -> Response:
         """A call about one handoff, at its owner; NOT_FOUND there asks each other shard once."""
+        async with self._within(rpc, handoff_id, deadline):
+            return await self._routed_within(rpc, handoff_id, request, deadline)
+
+    async def _routed_within(
+        self, rpc: str, handoff_id: str, request: Request, deadline: float
+    ) -> Response:
         shard_map = await self._router.shard_map()
         if len(shard_map.shards) == 1:
-            single: Response = await self._call(rpc, request, timeout_s, retry=RETRY_UNAVAILABLE)
+            single: Response = await self._call(rpc, request, deadline, retry=RETRY_UNAVAILABLE)
             return single
         owner = self._router.owner(handoff_id) or shard_map.owner_of(handoff_id)
         try:
             response: Response = await self._call(
-                rpc, request, timeout_s, retry=RETRY_UNAVAILABLE, shard=owner
+                rpc, request, deadline, retry=RETRY_UNAVAILABLE, shard=owner
             )
             return response
         except NotFoundError as not_found:
@@ -488,7 +506,7 @@ class HandoffClient:
                 continue
             try:
                 response = await self._call(
-                    rpc, request, timeout_s, retry=RETRY_UNAVAILABLE, shard=shard
+                    rpc, request, deadline, retry=RETRY_UNAVAILABLE, shard=shard
                 )
             except NotFoundError:
                 continue
@@ -501,37 +519,51 @@ class HandoffClient:
 
     # --- the one path every unary call takes --------------------------------
 
+    def _deadline(self, timeout_s: float | None) -> float:
+        """The loop time by which a call given ``timeout_s`` (None: the client's) ends."""
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        return asyncio.get_running_loop().time() + budget
+
+    @contextlib.asynccontextmanager
+    async def _within(self, rpc: str, handoff_id: str, deadline: float) -> AsyncIterator[None]:
+        """Ends the call at ``deadline`` wherever it is (learning the shard map, say)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                yield
+        except TimeoutError as error:
+            raise DeadlineExceededError(
+                f"handoff {handoff_id}: {rpc} did not complete within its deadline "
+                "(timeout_s, per call or the client's)"
+            ) from error
+
     async def _call(
         self,
         rpc: str,
         request: Request,
-        timeout_s: float | None,
+        deadline: float,
         *,
         retry: frozenset[grpc.StatusCode],
         metadata: tuple[tuple[str, str], ...] | None = None,
         shard: str | None = None,
     ) -> Response:
-        """``rpc`` on ``shard`` (None: the client's own channel), retried per ``retry``.
+        """``rpc`` on ``shard`` (None: the client's own channel), retried per ``retry``
+        until ``deadline`` (loop time), and never after it.
 
-        Each attempt dials the shard's address as the map has it then: a
-        shard that was unreachable may be back on a new address.
+        Each attempt gets what is left of the deadline, and dials the shard's
+        address as the map has it then: a shard that was unreachable may be
+        back on a new address. ``retry.within_s`` stops retrying sooner.
         """
         loop = asyncio.get_running_loop()
-        budget = self.timeout_s if timeout_s is None else timeout_s
-        deadline = loop.time() + budget
-        retry_until = loop.time() + self.retry.within_s
-        per_attempt = grpc.StatusCode.DEADLINE_EXCEEDED in retry
+        retry_until = min(loop.time() + self.retry.within_s, deadline)
         failures = 0
         while True:
-            if per_attempt:
-                deadline = loop.time() + budget
             method: grpc.aio.UnaryUnaryMultiCallable[Request, Response] = getattr(
                 self._router.stub(shard), rpc
             )
             try:
                 return await method(
                     request,
-                    timeout=deadline - loop.time(),
+                    timeout=max(deadline - loop.time(), 0.0),
                     metadata=self._metadata if metadata is None else metadata,
                 )
             except grpc.aio.AioRpcError as error:
@@ -545,7 +577,6 @@ class HandoffClient:
                     error.code() in retry
                     and failures < self.retry.max_attempts
                     and loop.time() + delay < retry_until
-                    and (per_attempt or loop.time() + delay < deadline)
                 ):
                     raise error_for(error) from error
             await asyncio.sleep(delay)

@@ -44,7 +44,7 @@ class OnShard:
     def unreachable(self) -> None:
         """The shard did not answer: it may be back on another address."""
         if self.shard is not None:
-            self.routing._router.stale()
+            self.routing.shard_map_stale()
 
 
 class ReconcilesOnShard:

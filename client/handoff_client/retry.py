@@ -37,9 +37,9 @@ class RetryPolicy:
     crashed container in seconds, and a recovered coordinator answers every
     call for the handoffs it had. So a call is retried until ``within_s``
     after its first attempt (and ``max_attempts`` in all), never past the
-    call's deadline; each attempt gets what is left of it. StartHandoff's
-    attempts each get the full timeout, so ``within_s`` bounds how long it
-    keeps trying.
+    call's deadline (``timeout_s``), which caps ``within_s``: each attempt
+    gets what is left of it. To ride through a longer outage, give the call
+    a longer ``timeout_s``.
     """
 
     max_attempts: int = 64
