@@ -555,15 +555,19 @@ class HandoffClient:
         """
         loop = asyncio.get_running_loop()
         retry_until = min(loop.time() + self.retry.within_s, deadline)
+        per_attempt = self.retry.attempt_timeout_s
+        if grpc.StatusCode.DEADLINE_EXCEEDED not in retry:
+            per_attempt = None
         failures = 0
         while True:
             method: grpc.aio.UnaryUnaryMultiCallable[Request, Response] = getattr(
                 self._router.stub(shard), rpc
             )
+            left = max(deadline - loop.time(), 0.0)
             try:
                 return await method(
                     request,
-                    timeout=max(deadline - loop.time(), 0.0),
+                    timeout=left if per_attempt is None else min(left, per_attempt),
                     metadata=self._metadata if metadata is None else metadata,
                 )
             except grpc.aio.AioRpcError as error:

@@ -84,8 +84,14 @@ class SideRecord:
 
     @property
     def holds(self) -> bool:
-        """The engine may still hold something here that no cleanup will free."""
-        return self.taken and not self.closed
+        """The engine may still hold something here: taken, and no free has run.
+
+        Closed is not enough: a cleanup that was taken may have failed or
+        timed out, and be owed by a coordinator that will never send it again
+        (it declared the engine lost, or went away).
+        An activated decode whose handoff ended (closed) is the engine's own.
+        """
+        return self.taken and not self.freed and not (self.closed and self.activated)
 
     def take(self) -> None:
         self.holding = max(self.holding, Holding.TAKEN)

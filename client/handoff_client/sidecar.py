@@ -558,15 +558,15 @@ class EngineSidecar:
         owed: list[tuple[Role, SideRecord]] = []
         for role in CANCEL_OF:
             side = part.ledger.side(action.handoff_id, role)
-            if side.closed:
-                continue
             side.close()
+            if not side.taken or side.freed:
+                continue
             # The decode owns an activated request (or one that a success says
             # was activated); only a reopened handoff's CancelDestination
             # stops it, never a notice.
-            if side.taken and not (
-                role is Role.DESTINATION and action.completion is not Completion.CANCELED
-            ):
+            if role is Role.DESTINATION and action.completion is not Completion.CANCELED:
+                side.activate()
+            elif not side.activated:
                 owed.append((role, side))
         self._spawn(self._complete(action, owed))
 
