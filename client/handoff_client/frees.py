@@ -119,14 +119,15 @@ class Freer:
             await asyncio.sleep(self._backoff.delay_s(failures, self._rng))
 
     async def _free_now(self, action: Action, side: SideRecord) -> Outcome | None:
-        # FREED from the start: a handler that returns while this runs took
-        # something this call may not have seen (a LATE free follows).
-        side.stage = Stage.FREED
+        # A handler that returns from now on took something this call may not
+        # have seen (a LATE free follows).
+        side.stage = Stage.FREEING
         outcome = await self._runner.run(action, side)
-        if outcome is None:
-            side.stage = Stage.CLOSED
-            if action.origin is Origin.COORDINATOR and side.timeouts == FREE_ATTEMPTS:
-                self._give_up(action, f"its handler timed out {side.timeouts} times")
+        side.stage = Stage.CLOSED if outcome is None else Stage.FREED
+        # A made-up free gives up in free(); the coordinator's, after as many timeouts.
+        timed_out = outcome is None and side.timeouts == FREE_ATTEMPTS
+        if timed_out and action.origin is Origin.COORDINATOR:
+            self._give_up(action, f"its handler timed out {side.timeouts} times")
         return outcome
 
     def _give_up(self, action: Action, why: str) -> None:

@@ -37,7 +37,8 @@ class Stage(enum.IntEnum):
 
     OPEN = 0  # acquiring actions run
     CLOSED = 1  # a cancel, release or COMPLETE was taken: nothing is acquired again
-    FREED = 2  # one engine call freed it (or is freeing it now): later cleanups are NOOP
+    FREEING = 2  # an engine call is freeing it now (back to CLOSED if that call fails)
+    FREED = 3  # one engine call freed it: later cleanups are NOOP
 
 
 @dataclass(slots=True, eq=False)
@@ -83,12 +84,17 @@ class SideRecord:
         return self.stage is Stage.FREED
 
     @property
+    def freeing_started(self) -> bool:
+        """A free reached the engine: what a handler takes from now on, it may miss."""
+        return self.stage >= Stage.FREEING
+
+    @property
     def holds(self) -> bool:
         """The engine may still hold something here: taken, and no free has run.
 
-        Closed is not enough: a cleanup that was taken may have failed or
-        timed out, and be owed by a coordinator that will never send it again
-        (it declared the engine lost, or went away).
+        Closed is not enough, nor is a free under way: a cleanup that was
+        taken may fail or time out, and be owed by a coordinator that will
+        never send it again (it declared the engine lost, or went away).
         An activated decode whose handoff ended (closed) is the engine's own.
         """
         return self.taken and not self.freed and not (self.closed and self.activated)

@@ -215,7 +215,7 @@ class HandlerRunner:
     def _check_late(self, task: asyncio.Task[Outcome], action: Action, side: SideRecord) -> None:
         """An acquiring handler that returned after a free of its side had started:
         what it took is freed once more."""
-        if task.cancelled() or task.exception() is not None or not side.freed:
+        if task.cancelled() or task.exception() is not None or not side.freeing_started:
             return
         if task.result().kind is OutcomeKind.FAILED:
             return  # it took nothing
