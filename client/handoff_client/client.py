@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
@@ -140,13 +139,14 @@ class HandoffClient:
                 return grpc.aio.insecure_channel(address, options=options)
             return grpc.aio.secure_channel(address, credentials, options=options)
 
-        self._channel = dial(target)
-        self._owns_channel = True
-        self._stub = pb_grpc.HandoffCoordinatorStub(self._channel)
-        self._metadata = security.metadata()
-        self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy()
-        self._rng = rng or random.Random()
+        self._on(
+            dial(target),
+            owns_channel=True,
+            metadata=security.metadata(),
+            timeout_s=timeout_s,
+            retry=retry or RetryPolicy(),
+            rng=rng or random.Random(),
+        )
         self._router = Router(
             self._channel,
             target,
@@ -155,6 +155,25 @@ class HandoffClient:
             explicit=None if shards is None else ShardMap.of(shards.items()),
             refresh_s=shard_refresh_s,
         )
+
+    def _on(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        owns_channel: bool,
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+        retry: RetryPolicy,
+        rng: random.Random,
+    ) -> None:
+        """Everything a client is but its router: the one place its state is set."""
+        self._channel = channel
+        self._owns_channel = owns_channel
+        self._stub = pb_grpc.HandoffCoordinatorStub(channel)
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._rng = rng
 
     async def __aenter__(self) -> Self:
         return self
@@ -216,10 +235,17 @@ class HandoffClient:
         if shard is None:
             raise KeyError(f"no shard named {name!r} in the map ({self._router.known.names})")
         channel = self._router.channel(name) if self._router.sharded() else self._channel
-        bound = copy.copy(self)
-        bound._channel = channel
-        bound._owns_channel = False
-        bound._stub = pb_grpc.HandoffCoordinatorStub(channel)
+        # An alternate constructor: the same settings, on the shard's channel,
+        # which it does not own, with a router that knows that shard alone.
+        bound = HandoffClient.__new__(HandoffClient)
+        bound._on(
+            channel,
+            owns_channel=False,
+            metadata=self._metadata,
+            timeout_s=self.timeout_s,
+            retry=self.retry,
+            rng=self._rng,
+        )
         bound._router = Router(
             channel,
             shard.address,
