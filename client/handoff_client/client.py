@@ -1,13 +1,15 @@
 """HandoffClient: typed async calls to the coordinator.
 
-Every call has a deadline (``timeout_s``, per client and per call) and raises a
-:class:`~handoff_client.errors.HandoffRpcError` subclass on failure. Calls that
-the server makes idempotent (GetHandoff, ReportFact, ReportOutcome) are retried
-on UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is
+Every call has a deadline (``timeout_s``, per client and per call) that it
+never outlives, whatever the retry policy, and raises a
+:class:`~handoff_client.errors.HandoffRpcError` subclass on failure
+(DeadlineExceededError once the deadline passed). Calls that the server makes
+idempotent (GetHandoff, ReportFact, ReportOutcome, Reconcile) are retried on
+UNAVAILABLE with jittered backoff inside that deadline. StartHandoff is
 idempotent too (the same id with the same parameters answers the handoff as it
 stands, flagged ``already_started``), so it is retried on UNAVAILABLE and on
-DEADLINE_EXCEEDED, each attempt with the whole deadline: an attempt whose
-answer was lost is answered by the next one.
+DEADLINE_EXCEEDED inside its deadline: an attempt whose answer was lost is
+answered by the next one.
 
 Sharded coordinators (docs/sharding.md): the client learns the shard map
 (routing.py) and sends a new handoff to the shard that wins it by rendezvous
@@ -18,7 +20,7 @@ with one shard, every call takes the one channel as before.
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
@@ -36,6 +38,7 @@ from handoff_client.convert import (
 )
 from handoff_client.credentials import ChannelSecurity, PemSource
 from handoff_client.errors import (
+    DeadlineExceededError,
     HandoffRpcError,
     MisroutedError,
     NotFoundError,
@@ -63,8 +66,7 @@ from handoff_client.routing import REFRESH_S, Router
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 
-# Which failures each kind of call retries; a call retried on
-# DEADLINE_EXCEEDED gives every attempt the whole deadline.
+# Which failures each kind of call retries, inside its deadline.
 RETRY_UNAVAILABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
 RETRY_UNAVAILABLE_OR_DEADLINE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -76,7 +78,8 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 ChannelOptions = Sequence[tuple[str, str | int]]
-Side = tuple[str, Role]  # a handoff id and the engine's role in it
+SideId = tuple[str, Role]  # a handoff id and the engine's role in it
+Side = SideId  # the name before there were other kinds of side: kept for code that imports it
 # One Reconcile request carries sides up to about this many bytes: well under
 # the server's default 64 KiB message limit, whatever the ids' length.
 RECONCILE_CHUNK_BYTES = 32 * 1024
@@ -136,13 +139,14 @@ class HandoffClient:
                 return grpc.aio.insecure_channel(address, options=options)
             return grpc.aio.secure_channel(address, credentials, options=options)
 
-        self._channel = dial(target)
-        self._owns_channel = True
-        self._stub = pb_grpc.HandoffCoordinatorStub(self._channel)
-        self._metadata = security.metadata()
-        self.timeout_s = timeout_s
-        self.retry = retry or RetryPolicy()
-        self._rng = rng or random.Random()
+        self._on(
+            dial(target),
+            owns_channel=True,
+            metadata=security.metadata(),
+            timeout_s=timeout_s,
+            retry=retry or RetryPolicy(),
+            rng=rng or random.Random(),
+        )
         self._router = Router(
             self._channel,
             target,
@@ -151,6 +155,25 @@ class HandoffClient:
             explicit=None if shards is None else ShardMap.of(shards.items()),
             refresh_s=shard_refresh_s,
         )
+
+    def _on(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        owns_channel: bool,
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+        retry: RetryPolicy,
+        rng: random.Random,
+    ) -> None:
+        """Everything a client is but its router: the one place its state is set."""
+        self._channel = channel
+        self._owns_channel = owns_channel
+        self._stub = pb_grpc.HandoffCoordinatorStub(channel)
+        self._metadata = metadata
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self._rng = rng
 
     async def __aenter__(self) -> Self:
         return self
@@ -197,6 +220,11 @@ class HandoffClient:
         """
         return self._router.owner(handoff_id) or self._router.known.owner_of(handoff_id)
 
+    def shard_map_stale(self) -> None:
+        """A shard did not answer: it may be back on another address, so learn the
+        map again soon (at most once a second)."""
+        self._router.stale()
+
     def for_shard(self, name: str) -> HandoffClient:
         """A client for shard ``name`` alone, on this client's channel to it: no routing.
 
@@ -207,10 +235,17 @@ class HandoffClient:
         if shard is None:
             raise KeyError(f"no shard named {name!r} in the map ({self._router.known.names})")
         channel = self._router.channel(name) if self._router.sharded() else self._channel
-        bound = copy.copy(self)
-        bound._channel = channel
-        bound._owns_channel = False
-        bound._stub = pb_grpc.HandoffCoordinatorStub(channel)
+        # An alternate constructor: the same settings, on the shard's channel,
+        # which it does not own, with a router that knows that shard alone.
+        bound = HandoffClient.__new__(HandoffClient)
+        bound._on(
+            channel,
+            owns_channel=False,
+            metadata=self._metadata,
+            timeout_s=self.timeout_s,
+            retry=self.retry,
+            rng=self._rng,
+        )
         bound._router = Router(
             channel,
             shard.address,
@@ -235,8 +270,9 @@ class HandoffClient:
             raise
 
     async def _ask_shard_map(self, shard: str | None) -> ShardMap:
+        request, deadline = pb.GetShardMapRequest(), self._deadline(None)
         response: pb.GetShardMapResponse = await self._call(
-            "GetShardMap", pb.GetShardMapRequest(), None, retry=NO_RETRY, shard=shard
+            "GetShardMap", request, deadline, retry=NO_RETRY, shard=shard
         )
         return ShardMap(tuple(ShardInfo(s.name, s.address, s.placing) for s in response.shards))
 
@@ -258,8 +294,8 @@ class HandoffClient:
         """Create and start one handoff. Give ``order`` or ``engine_type`` (or both, agreeing).
 
         ``handoff_timeout_s`` is the handoff's own deadline (server default when
-        None); ``timeout_s`` is each attempt's. Retried on UNAVAILABLE and
-        DEADLINE_EXCEEDED per ``retry`` (for up to 15 s by default): when an earlier
+        None); ``timeout_s`` is the call's, attempts included. Retried on UNAVAILABLE
+        and DEADLINE_EXCEEDED per ``retry``, within ``timeout_s``: when an earlier
         attempt reached the server, the answer has ``already_started`` set and
         no actions (they went to the engines' streams). ALREADY_EXISTS means
         the id is taken by a handoff with other parameters; the message names
@@ -283,7 +319,9 @@ class HandoffClient:
         )
         # The caller's trace continues in the coordinator (with the otel extra).
         metadata = self._metadata + tracing.current_context_metadata()
-        response = await self._start(handoff_id, request, timeout_s, metadata)
+        deadline = self._deadline(timeout_s)
+        async with self._within("StartHandoff", handoff_id, deadline):
+            response = await self._start(handoff_id, request, deadline, metadata)
         return HandoffUpdate(
             handoff_from_pb(response.handoff),
             actions_from_pb(response.actions),
@@ -295,7 +333,7 @@ class HandoffClient:
     ) -> HandoffUpdate:
         request = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
         response: pb.ReportFactResponse = await self._routed(
-            "ReportFact", handoff_id, request, timeout_s
+            "ReportFact", handoff_id, request, self._deadline(timeout_s)
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
@@ -312,7 +350,7 @@ class HandoffClient:
             handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
         )
         response: pb.ReportOutcomeResponse = await self._routed(
-            "ReportOutcome", handoff_id, request, timeout_s
+            "ReportOutcome", handoff_id, request, self._deadline(timeout_s)
         )
         return HandoffUpdate(handoff_from_pb(response.handoff), actions_from_pb(response.actions))
 
@@ -322,18 +360,19 @@ class HandoffClient:
         *,
         incarnation: str,
         session_id: str,
-        held: Sequence[Side],
-        freed: Sequence[Side],
+        held: Sequence[SideId],
+        freed: Sequence[SideId],
         timeout_s: float | None = None,
     ) -> Reconciled:
         """Tell the coordinator what ``engine_id`` holds and freed on its own; which to free.
 
-        Sent in as many requests as the message limit needs (each within
+        Sent in as many requests as the message limit needs (all within
         ``timeout_s``), freed sides first; retried on UNAVAILABLE (a
         reconcile is idempotent). See :class:`~handoff_client.sidecar.EngineSidecar`.
         """
         releases: list[Release] = []
         lost_applied = 0
+        deadline = self._deadline(timeout_s)
         for chunk in _chunks([(side, True) for side in freed] + [(side, False) for side in held]):
             request = pb.ReconcileRequest(
                 engine_id=engine_id, incarnation=incarnation, session_id=session_id
@@ -342,7 +381,7 @@ class HandoffClient:
                 sides = request.freed if was_freed else request.held
                 sides.add(handoff_id=handoff_id, role=_ROLE_TO_PB[role])
             response: pb.ReconcileResponse = await self._call(
-                "Reconcile", request, timeout_s, retry=RETRY_UNAVAILABLE
+                "Reconcile", request, deadline, retry=RETRY_UNAVAILABLE
             )
             lost_applied += response.lost_applied
             releases.extend(
@@ -361,7 +400,7 @@ class HandoffClient:
     async def get_handoff(self, handoff_id: str, *, timeout_s: float | None = None) -> Handoff:
         request = pb.GetHandoffRequest(handoff_id=handoff_id)
         response: pb.GetHandoffResponse = await self._routed(
-            "GetHandoff", handoff_id, request, timeout_s
+            "GetHandoff", handoff_id, request, self._deadline(timeout_s)
         )
         return handoff_from_pb(response.handoff)
 
@@ -433,7 +472,7 @@ class HandoffClient:
         self,
         handoff_id: str,
         request: pb.StartHandoffRequest,
-        timeout_s: float | None,
+        deadline: float,
         metadata: tuple[tuple[str, str], ...],
     ) -> pb.StartHandoffResponse:
         """At the rendezvous winner, or where an earlier attempt for the id went."""
@@ -441,14 +480,14 @@ class HandoffClient:
         shard_map = await self._router.shard_map()
         if len(shard_map.shards) == 1:
             single: pb.StartHandoffResponse = await self._call(
-                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata
+                "StartHandoff", request, deadline, retry=retry, metadata=metadata
             )
             return single
         shard = self._router.owner(handoff_id) or shard_map.owner_of(handoff_id)
         self._router.remember(handoff_id, shard)  # a retry goes where this attempt went
         try:
             response: pb.StartHandoffResponse = await self._call(
-                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata, shard=shard
+                "StartHandoff", request, deadline, retry=retry, metadata=metadata, shard=shard
             )
         except MisroutedError as refused:
             # Our map is behind the shard's: learn it again, and go where it said, once.
@@ -461,23 +500,29 @@ class HandoffClient:
             shard = refused.owner
             self._router.remember(handoff_id, shard)
             response = await self._call(
-                "StartHandoff", request, timeout_s, retry=retry, metadata=metadata, shard=shard
+                "StartHandoff", request, deadline, retry=retry, metadata=metadata, shard=shard
             )
         self._router.remember(handoff_id, response.shard or shard)
         return response
 
     async def _routed(
-        self, rpc: str, handoff_id: str, request: Request, timeout_s: float | None
+        self, rpc: str, handoff_id: str, request: Request, deadline: float
     ) -> Response:
         """A call about one handoff, at its owner; NOT_FOUND there asks each other shard once."""
+        async with self._within(rpc, handoff_id, deadline):
+            return await self._routed_within(rpc, handoff_id, request, deadline)
+
+    async def _routed_within(
+        self, rpc: str, handoff_id: str, request: Request, deadline: float
+    ) -> Response:
         shard_map = await self._router.shard_map()
         if len(shard_map.shards) == 1:
-            single: Response = await self._call(rpc, request, timeout_s, retry=RETRY_UNAVAILABLE)
+            single: Response = await self._call(rpc, request, deadline, retry=RETRY_UNAVAILABLE)
             return single
         owner = self._router.owner(handoff_id) or shard_map.owner_of(handoff_id)
         try:
             response: Response = await self._call(
-                rpc, request, timeout_s, retry=RETRY_UNAVAILABLE, shard=owner
+                rpc, request, deadline, retry=RETRY_UNAVAILABLE, shard=owner
             )
             return response
         except NotFoundError as not_found:
@@ -487,7 +532,7 @@ class HandoffClient:
                 continue
             try:
                 response = await self._call(
-                    rpc, request, timeout_s, retry=RETRY_UNAVAILABLE, shard=shard
+                    rpc, request, deadline, retry=RETRY_UNAVAILABLE, shard=shard
                 )
             except NotFoundError:
                 continue
@@ -500,37 +545,55 @@ class HandoffClient:
 
     # --- the one path every unary call takes --------------------------------
 
+    def _deadline(self, timeout_s: float | None) -> float:
+        """The loop time by which a call given ``timeout_s`` (None: the client's) ends."""
+        budget = self.timeout_s if timeout_s is None else timeout_s
+        return asyncio.get_running_loop().time() + budget
+
+    @contextlib.asynccontextmanager
+    async def _within(self, rpc: str, handoff_id: str, deadline: float) -> AsyncIterator[None]:
+        """Ends the call at ``deadline`` wherever it is (learning the shard map, say)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                yield
+        except TimeoutError as error:
+            raise DeadlineExceededError(
+                f"handoff {handoff_id}: {rpc} did not complete within its deadline "
+                "(timeout_s, per call or the client's)"
+            ) from error
+
     async def _call(
         self,
         rpc: str,
         request: Request,
-        timeout_s: float | None,
+        deadline: float,
         *,
         retry: frozenset[grpc.StatusCode],
         metadata: tuple[tuple[str, str], ...] | None = None,
         shard: str | None = None,
     ) -> Response:
-        """``rpc`` on ``shard`` (None: the client's own channel), retried per ``retry``.
+        """``rpc`` on ``shard`` (None: the client's own channel), retried per ``retry``
+        until ``deadline`` (loop time), and never after it.
 
-        Each attempt dials the shard's address as the map has it then: a
-        shard that was unreachable may be back on a new address.
+        Each attempt gets what is left of the deadline, and dials the shard's
+        address as the map has it then: a shard that was unreachable may be
+        back on a new address. ``retry.within_s`` stops retrying sooner.
         """
         loop = asyncio.get_running_loop()
-        budget = self.timeout_s if timeout_s is None else timeout_s
-        deadline = loop.time() + budget
-        retry_until = loop.time() + self.retry.within_s
-        per_attempt = grpc.StatusCode.DEADLINE_EXCEEDED in retry
+        retry_until = min(loop.time() + self.retry.within_s, deadline)
+        per_attempt = self.retry.attempt_timeout_s
+        if grpc.StatusCode.DEADLINE_EXCEEDED not in retry:
+            per_attempt = None
         failures = 0
         while True:
-            if per_attempt:
-                deadline = loop.time() + budget
             method: grpc.aio.UnaryUnaryMultiCallable[Request, Response] = getattr(
                 self._router.stub(shard), rpc
             )
+            left = max(deadline - loop.time(), 0.0)
             try:
                 return await method(
                     request,
-                    timeout=deadline - loop.time(),
+                    timeout=left if per_attempt is None else min(left, per_attempt),
                     metadata=self._metadata if metadata is None else metadata,
                 )
             except grpc.aio.AioRpcError as error:
@@ -544,7 +607,6 @@ class HandoffClient:
                     error.code() in retry
                     and failures < self.retry.max_attempts
                     and loop.time() + delay < retry_until
-                    and (per_attempt or loop.time() + delay < deadline)
                 ):
                     raise error_for(error) from error
             await asyncio.sleep(delay)
@@ -556,9 +618,9 @@ _ROLE_TO_PB = {Role.SOURCE: pb.ROLE_SOURCE, Role.DESTINATION: pb.ROLE_DESTINATIO
 _RELEASE_REASONS = frozenset(reason.value for reason in ReleaseReason)
 
 
-def _chunks(sides: list[tuple[Side, bool]]) -> list[list[tuple[Side, bool]]]:
+def _chunks(sides: list[tuple[SideId, bool]]) -> list[list[tuple[SideId, bool]]]:
     """``sides`` cut into requests of at most about RECONCILE_CHUNK_BYTES; at least one."""
-    chunks: list[list[tuple[Side, bool]]] = [[]]
+    chunks: list[list[tuple[SideId, bool]]] = [[]]
     size = 0
     for side in sides:
         weight = len(side[0][0]) + 8  # the id, plus a side's framing and role

@@ -41,9 +41,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from handoff_client.client import Side
+from handoff_client.client import SideId
 from handoff_client.errors import HandoffRpcError, OlderIncarnationError, SessionConflictError
-from handoff_client.model import Action, Release
+from handoff_client.model import Action, Origin, Release
 from handoff_client.retry import Backoff
 from handoff_client.transport import LeasedTransport, SidecarTransport
 
@@ -63,16 +63,16 @@ def lease_s(delivery_timeout_s: float) -> float:
 class Holder(Protocol):
     """What a link needs from the sidecar that owns it."""
 
-    def held(self) -> list[Side]:
+    def held(self) -> list[SideId]:
         """The sides the engine holds: acquired, not closed, not an activated decode."""
         ...
 
-    async def reclaim(self, sides: Iterable[Side], why: str) -> list[Side]:
+    async def reclaim(self, sides: Iterable[SideId], why: str, origin: Origin) -> list[SideId]:
         """Close these sides (tombstones) and free each one still held through the
-        engine's cancel handler (attempt 0, not reported); the ones it freed."""
+        engine's cancel handler (made up by ``origin``, not reported); the ones it freed."""
         ...
 
-    def kept(self, sides: Iterable[Side]) -> None:
+    def kept(self, sides: Iterable[SideId]) -> None:
         """The coordinator expects the engine to go on holding these sides."""
         ...
 
@@ -103,7 +103,7 @@ class CoordinatorLink:
         self.subscribed = asyncio.Event()
         self.ended = asyncio.Event()  # stopped on its own (fenced)
         self.fenced: OlderIncarnationError | None = None
-        self._freed: set[Side] = set()  # freed on its own since the last reconcile
+        self._freed: set[SideId] = set()  # freed on its own since the last reconcile
         self._reconciling: asyncio.Task[None] | None = None  # the latest
         self._background: set[asyncio.Task[None]] = set()  # reconciles not done yet
         self._lease: asyncio.Task[None] | None = None
@@ -245,13 +245,13 @@ class CoordinatorLink:
         why = f"the coordinator says it ended here ({release.reason.name.lower()})"
         await self.reclaim(side, why, report_freed=False)
 
-    async def reclaim(self, side: Side, why: str, *, report_freed: bool = True) -> None:
+    async def reclaim(self, side: SideId, why: str, *, report_freed: bool = True) -> None:
         """Free an orphan: a side the coordinator no longer expects this engine to hold.
 
         ``report_freed``: tell the coordinator at the next reconcile (it did not
         say so itself; e.g. a report for it was answered NOT_FOUND).
         """
-        for handoff_id, role in await self._holder.reclaim([side], why):
+        for handoff_id, role in await self._holder.reclaim([side], why, Origin.RECONCILE):
             self.orphans_reclaimed += 1
             log.warning(
                 "orphan reclaimed: %s side freed, %s",
@@ -305,10 +305,10 @@ class CoordinatorLink:
             len(held),
             extra=self._extra,
         )
-        freed = await self._holder.reclaim(held, "the lease expired")
+        freed = await self._holder.reclaim(held, "the lease expired", Origin.LEASE)
         self.freed_on_lease += len(freed)
         self._freed.update(freed)
 
 
-def _order(side: Side) -> tuple[str, int]:
+def _order(side: SideId) -> tuple[str, int]:
     return side[0], side[1].value

@@ -53,6 +53,27 @@ class ActionKind(enum.Enum):
     COMPLETE = 8
 
 
+class Origin(enum.Enum):
+    """Who made an action: the coordinator, or the sidecar freeing a side on its own.
+
+    Only the coordinator's actions have a real action id (and de-duplicate
+    by (handoff id, action id)); a free the sidecar makes up has id
+    :data:`MADE_UP_ACTION_ID` and says why it runs.
+    """
+
+    COORDINATOR = 0  # sent by the coordinator
+    COMPLETE = 1  # a COMPLETE notice for what no cleanup action will free
+    LEASE = 2  # the lease ran out with the coordinator silent
+    RECONCILE = 3  # the coordinator does not expect the side held (or answered NOT_FOUND)
+    FENCED = 4  # a newer incarnation of the engine subscribed
+    STOP = 5  # the sidecar stopped for good (``stop(free_held=True)``)
+    LATE = 6  # a handler that ignored its cancellation took something after the side was freed
+
+
+# The id of every action the sidecar makes up: no action of any handoff has it.
+MADE_UP_ACTION_ID = -1
+
+
 class OutcomeKind(enum.Enum):
     SUBMITTED = 1
     ACCEPTED = 2
@@ -214,6 +235,9 @@ class Action:
     completion: Completion | None = None  # COMPLETE only: how the handoff ended
     traceparent: str = ""  # W3C trace context of the coordinator's span for it, if traced
     tracestate: str = ""
+    # COORDINATOR for every action the server sent; else a free the sidecar made
+    # up (id MADE_UP_ACTION_ID, attempt 0), which rule 1's de-duplication skips.
+    origin: Origin = Origin.COORDINATOR
 
 
 @dataclass(frozen=True, slots=True)

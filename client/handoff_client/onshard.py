@@ -11,7 +11,7 @@ the routing client to learn the map again soon.
 
 from __future__ import annotations
 
-from handoff_client.client import HandoffClient, Side
+from handoff_client.client import HandoffClient, SideId
 from handoff_client.model import Reconciled
 
 
@@ -44,7 +44,7 @@ class OnShard:
     def unreachable(self) -> None:
         """The shard did not answer: it may be back on another address."""
         if self.shard is not None:
-            self.routing._router.stale()
+            self.routing.shard_map_stale()
 
 
 class ReconcilesOnShard:
@@ -59,8 +59,8 @@ class ReconcilesOnShard:
         *,
         incarnation: str,
         session_id: str,
-        held: list[Side],
-        freed: list[Side],
+        held: list[SideId],
+        freed: list[SideId],
     ) -> Reconciled:
         client = await self._shard.client()
         return await client.reconcile(

@@ -37,17 +37,25 @@ class RetryPolicy:
     crashed container in seconds, and a recovered coordinator answers every
     call for the handoffs it had. So a call is retried until ``within_s``
     after its first attempt (and ``max_attempts`` in all), never past the
-    call's deadline; each attempt gets what is left of it. StartHandoff's
-    attempts each get the full timeout, so ``within_s`` bounds how long it
-    keeps trying.
+    call's deadline (``timeout_s``), which caps ``within_s``: each attempt
+    gets what is left of it. To ride through a longer outage, give the call
+    a longer ``timeout_s``.
+
+    ``attempt_timeout_s``, for a call retried on DEADLINE_EXCEEDED too
+    (StartHandoff): each attempt gets at most this much of the deadline, so
+    an attempt whose answer was lost is asked again while time is left.
+    None: an attempt gets all that is left.
     """
 
     max_attempts: int = 64
     backoff: Backoff = field(default_factory=Backoff)
     within_s: float = 15.0
+    attempt_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if not self.within_s >= 0:
             raise ValueError("within_s must be >= 0")
+        if self.attempt_timeout_s is not None and not self.attempt_timeout_s > 0:
+            raise ValueError("attempt_timeout_s must be > 0 (or None)")

@@ -8,16 +8,21 @@ says what each handler must do. The sidecar
 - subscribes to the engine's actions (on one Connect stream that also carries
   its reports, unless told to use the unary RPCs), naming the engine's
   incarnation and its own session, and resubscribes, with jittered backoff,
-  whenever the stream drops;
+  whenever the stream drops (:mod:`handoff_client.link`);
 - always reads its stream: acquiring handlers (SubmitPrefill,
   ReserveDestination, StartTransfer, ActivateDestination) run up to
   ``max_concurrency`` at once, and cleanups (ReleaseSource, CancelSource,
   CancelDestination, and the COMPLETE notice) have their own
   ``cleanup_concurrency``, so handlers that hang never hold up a cleanup;
-- keeps a tombstone per handoff side: once a cancel or release was taken
-  for it, a late or redelivered acquiring action is answered FAILED without
-  running its handler, and a cancel that arrives while an acquiring handler
-  of that side runs waits for it, then runs;
+- runs each handler in its own task, bounded by ``handler_timeout_s``
+  (:mod:`handoff_client.runner`);
+- keeps a tombstone per handoff side (:mod:`handoff_client.ledger`): once a
+  cancel or release was taken for it, a late or redelivered acquiring action
+  is answered FAILED without running its handler; a free of the side cancels
+  the acquiring handlers still running for it, waits at most
+  ``interrupt_grace_s`` for them, then runs; and once one free ran, any later
+  cleanup of the side is answered NOOP without calling the engine
+  (:mod:`handoff_client.frees`);
 - on COMPLETE, frees through the engine's own cancel handler what the
   engine may still hold and no cleanup action will free (an engine the
   server declared lost while it was alive): the source after any
@@ -27,13 +32,13 @@ says what each handler must do. The sidecar
   handler again, and ignores a redelivery whose handler is still running;
 - logs, counts and skips an action of a kind it does not know (a newer server);
 - runs a lease on the coordinator's signs of life and reconciles what the
-  engine holds after every subscription (:mod:`handoff_client.link`): a side
-  the coordinator no longer expects it to hold, or that it would free before
-  hearing from it again, is freed through the engine's cancel handler;
+  engine holds after every subscription: a side the coordinator no longer
+  expects it to hold, or that it would free before hearing from it again,
+  is freed through the engine's cancel handler;
 - given a routing client of a sharded coordinator, holds one link per shard
-  (stream, reconcile, lease), follows the shard map as it changes, and keeps
-  each handoff's state under the shard whose stream its actions came on,
-  where its outcomes and facts are reported (see :class:`EngineSidecar`);
+  (:mod:`handoff_client.parts`), follows the shard map as it changes, and
+  keeps each handoff's state under the shard whose stream its actions came
+  on, where its outcomes and facts are reported;
 - stops for good, after freeing everything the engine holds, when the server
   says a newer incarnation of the engine has subscribed
   (:class:`~handoff_client.errors.OlderIncarnationError`, raised by
@@ -54,44 +59,40 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Self
 
 from handoff_client import tracing
-from handoff_client.cache import OutcomeCache
-from handoff_client.client import HandoffClient
-from handoff_client.client import Side as HeldSide
-from handoff_client.errors import (
-    HandoffRpcError,
-    NotFoundError,
-    OlderIncarnationError,
-)
+from handoff_client.client import HandoffClient, SideId
+from handoff_client.engine import DestinationEngine as DestinationEngine
+from handoff_client.engine import Engine as Engine
+from handoff_client.engine import SourceEngine as SourceEngine
+from handoff_client.errors import HandoffRpcError, NotFoundError, OlderIncarnationError
 from handoff_client.facts import Facts as Facts  # re-exported: engines import it from here
-from handoff_client.ledger import Ledger, Side
-from handoff_client.link import CoordinatorLink
+from handoff_client.frees import CANCEL_OF, Freer
+from handoff_client.ledger import SideRecord
 from handoff_client.model import (
     ACQUIRING_KINDS,
-    CLEANUP_KINDS,
-    NOOP,
+    APPLIED,
     Action,
     ActionKind,
     Completion,
     Fact,
+    Origin,
     Outcome,
-    OutcomeKind,
     Role,
-    outcome_allowed,
 )
-from handoff_client.outbox import Outbox
+from handoff_client.parts import ShardPart, Unattributed
 from handoff_client.placement import ShardMap
 from handoff_client.retry import Backoff
+from handoff_client.runner import HANDLER_NAMES, Handler, HandlerRunner, describe, log_extra
+from handoff_client.stats import Counters
+from handoff_client.stats import SidecarStats as SidecarStats  # re-exported
 from handoff_client.transport import SidecarTransport, TransportKind, make_transport
 
 log = logging.getLogger("handoff.sidecar")
 
-MAX_REASON = 1024  # bytes: the server takes at most 1 KiB of reason
 # The answer to an acquiring action for a side already canceled or released:
 # the server accepts FAILED for any acquiring action (in cleanup it changes
 # nothing), and the engine takes nothing.
@@ -100,6 +101,8 @@ CLOSED_REASON = "{engine}: {kind} for a handoff this engine already canceled or 
 # client fetches the map only when its refresh is due, or soon after a shard
 # did not answer.
 FOLLOW_S = 1.0
+HANDLER_TIMEOUT_S = 30.0
+INTERRUPT_GRACE_S = 1.0
 
 
 def new_incarnation() -> str:
@@ -108,183 +111,6 @@ def new_incarnation() -> str:
     Sortable by start time, so the server can tell a newer one from an older one.
     """
     return f"{time.time_ns() // 1_000_000:013d}-{secrets.token_hex(8)}"
-
-
-class SourceEngine(Protocol):
-    """A prefill engine's handlers. See docs/engine-contract.md.
-
-    Every handler is idempotent per (handoff id, action id): after a sidecar
-    restart under the same incarnation, the server redelivers what was
-    outstanding and the handler runs again. Handlers may run concurrently,
-    also for one handoff, except that the sidecar never runs a cancel or
-    release while an acquiring handler of the same handoff and side runs.
-    """
-
-    async def submit_prefill(self, action: Action, facts: Facts) -> Outcome:
-        """Run the prefill; answer SUBMITTED, then report SourceHeld when it holds its KV.
-
-        FAILED (``failed(reason)``) if it cannot; that starts cleanup.
-        """
-        ...
-
-    async def release_source(self, action: Action, facts: Facts) -> Outcome:
-        """The destination has the KV: free the prefill's blocks; APPLIED, or NOOP if
-        nothing was held. Never FAILED: raise to have it redelivered later."""
-        ...
-
-    async def cancel_source(self, action: Action, facts: Facts) -> Outcome:
-        """Abort the prefill and free its blocks; APPLIED or NOOP. Never FAILED.
-
-        It may arrive before the SubmitPrefill it cancels (which then never
-        runs) or after it. A transfer this engine is pushing for the handoff
-        is stopped (or waited for) before the blocks are freed: the
-        destination is canceled at the same moment. ``action.attempt == 0``
-        marks a cancel the sidecar runs on its own (on a COMPLETE notice, or
-        when a newer incarnation replaced this one): its outcome is not reported.
-        """
-        ...
-
-    async def complete(self, action: Action) -> None:
-        """A notice that the handoff is over (``action.completion`` says how); no outcome.
-
-        Anything the engine still held was freed through its cancel handler
-        before this runs. It may be lost with a stream.
-        """
-        ...
-
-
-class DestinationEngine(Protocol):
-    """A decode engine's handlers. See :class:`SourceEngine` and docs/engine-contract.md."""
-
-    async def reserve_destination(self, action: Action, facts: Facts) -> Outcome:
-        """Reserve decode memory; answer ACCEPTED, then report DestinationReserved."""
-        ...
-
-    async def activate_destination(self, action: Action, facts: Facts) -> Outcome:
-        """Start decoding; answer APPLIED. From then on the decode owns the request."""
-        ...
-
-    async def cancel_destination(self, action: Action, facts: Facts) -> Outcome:
-        """Abort the decode (or the reservation) and free it; APPLIED or NOOP. Never FAILED.
-
-        It may arrive before the action it cancels, or after it, also after
-        a successful activation (the frontend canceled during decode). A
-        transfer this engine is pulling for the handoff is stopped (or waited
-        for) before the memory is freed. ``action.attempt == 0`` marks a
-        cancel the sidecar runs on its own; its outcome is not reported.
-        """
-        ...
-
-    async def complete(self, action: Action) -> None:
-        """A notice that the handoff is over (``action.completion`` says how); no outcome."""
-        ...
-
-
-class Engine(SourceEngine, DestinationEngine, Protocol):
-    """Both sides, plus the transfer (run by the handoff's ``transfer_executor``).
-
-    The sidecar names the engine's memory with an incarnation: let it make
-    one when it lives and dies with the engine; pass the engine's own
-    (``EngineSidecar(..., incarnation=...)``, made once at the engine's start)
-    when it runs beside an engine that outlives it. A new incarnation tells
-    the server that everything the old one held is gone.
-
-    Optional: ``async def held_handoffs(self) -> Iterable[tuple[str, Role]]``,
-    the handoff sides the engine holds now. The sidecar calls it once, at its
-    start, so that a sidecar restarted beside an engine that survived it (same
-    incarnation) reconciles and leases those sides too. Against a sharded
-    coordinator each side is reconciled with every shard, and freed only
-    once none of them expects it held.
-    """
-
-    async def start_transfer(self, action: Action, facts: Facts) -> Outcome:
-        """Start moving the KV (``action.delay_ms`` long); SCHEDULED, then TransferCompleted.
-
-        A cancel of either side stops this transfer (or waits for it) before
-        freeing: both sides are canceled at once.
-        """
-        ...
-
-
-Handler = Callable[[Action, Facts], Awaitable[Outcome]]
-
-HANDLER_NAMES: dict[ActionKind, str] = {
-    ActionKind.SUBMIT_PREFILL: "submit_prefill",
-    ActionKind.RESERVE_DESTINATION: "reserve_destination",
-    ActionKind.START_TRANSFER: "start_transfer",
-    ActionKind.ACTIVATE_DESTINATION: "activate_destination",
-    ActionKind.RELEASE_SOURCE: "release_source",
-    ActionKind.CANCEL_SOURCE: "cancel_source",
-    ActionKind.CANCEL_DESTINATION: "cancel_destination",
-}
-# The cancel that frees each side when the sidecar frees on its own.
-CANCEL_OF: dict[Role, ActionKind] = {
-    Role.SOURCE: ActionKind.CANCEL_SOURCE,
-    Role.DESTINATION: ActionKind.CANCEL_DESTINATION,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class SidecarStats:
-    actions_received: int  # every delivery, redeliveries included
-    handlers_run: int
-    answered_from_cache: int  # redeliveries of an action whose outcome was known
-    ignored_while_running: int  # redeliveries of an action whose handler was still running
-    handler_errors: int  # handlers that raised or returned a disallowed outcome
-    reconnects: int
-    report_retries: int  # transient report failures, retried
-    reports_rejected: int  # reports the server refused for good
-    answered_closed: int = 0  # acquiring actions for a canceled or released side, not run
-    freed_on_complete: int = 0  # cancels run on a COMPLETE notice for what was still held
-    unknown_actions: int = 0  # actions of a kind this SDK does not know, skipped
-    unimplemented: int = 0  # actions for a handler the engine does not have
-    session_conflicts: int = 0  # subscriptions refused: a twin holds the stream
-    reconciles: int = 0  # reconciles answered (one per confirmed subscription)
-    orphans_reclaimed: int = 0  # sides freed because the coordinator no longer knew them
-    lease_expiries: int = 0  # times the lease expired with the coordinator silent
-    freed_on_lease: int = 0  # sides freed when the lease expired
-    freed_unreported: int = 0  # sides freed on its own that no reconcile has told a coordinator
-
-
-class _Shard:
-    """One coordinator shard as the sidecar sees it: its link, and the state of the
-    handoffs it owns (tombstones, outcomes, the order of their reports).
-
-    It is the link's :class:`~handoff_client.link.Holder`: what the link
-    reconciles, leases and reclaims is this shard's part of the engine.
-    """
-
-    def __init__(
-        self, sidecar: EngineSidecar, name: str, transport: SidecarTransport, backoff: Backoff
-    ) -> None:
-        self.name = name
-        self.transport = transport
-        self.ledger = Ledger(sidecar.cache_size)
-        self.cache = OutcomeCache(sidecar.cache_size)
-        self.outbox = Outbox(backoff, sidecar.rng)
-        self.link = CoordinatorLink(
-            transport,
-            self,
-            engine_id=sidecar.engine_id,
-            incarnation=sidecar.incarnation,
-            session_id=sidecar.session_id,
-            backoff=backoff,
-            rng=sidecar.rng,
-        )
-        self.task: asyncio.Task[None] | None = None
-        self._sidecar = sidecar
-
-    def held(self) -> list[HeldSide]:
-        return self._sidecar._held(self)
-
-    async def reclaim(self, sides: Iterable[HeldSide], why: str) -> list[HeldSide]:
-        return await self._sidecar._reclaim(self, sides, why)
-
-    def kept(self, sides: Iterable[HeldSide]) -> None:
-        self._sidecar._kept(self, sides)
-
-    async def fenced(self, error: OlderIncarnationError) -> None:
-        await self._sidecar._fenced(error)
 
 
 class EngineSidecar:
@@ -314,6 +140,11 @@ class EngineSidecar:
     so a restarted sidecar resumes instead of having the engine declared lost.
     :attr:`session_id` is random per sidecar object.
 
+    ``handler_timeout_s`` bounds every handler call: past it the handler is
+    cancelled (an acquiring action is answered FAILED, a cleanup is tried
+    again). ``interrupt_grace_s`` is how long a cancelled handler gets to
+    unwind before the sidecar goes on without it (and frees its side anyway).
+
     ``wrap_transport``, for fault injection and instrumentation: given a
     client, the sidecar calls it with each shard's name and the transport it
     made for that shard's link, and the link uses what it returns (given a
@@ -337,6 +168,8 @@ class EngineSidecar:
         transport: TransportKind | None = None,
         incarnation: str | None = None,
         wrap_transport: Callable[[str, SidecarTransport], SidecarTransport] | None = None,
+        handler_timeout_s: float = HANDLER_TIMEOUT_S,
+        interrupt_grace_s: float = INTERRUPT_GRACE_S,
     ) -> None:
         if max_concurrency < 1 or cleanup_concurrency < 1:
             raise ValueError("max_concurrency and cleanup_concurrency must be >= 1")
@@ -360,29 +193,40 @@ class EngineSidecar:
         self._backoff = reconnect_backoff or Backoff()
         self._wrap_transport = wrap_transport
         self._slots = asyncio.Semaphore(max_concurrency)
-        self._cleanup_slots = asyncio.Semaphore(cleanup_concurrency)
-        self._shards: dict[str, _Shard] = {}  # by shard name ("" for a given transport)
+        self._shards: dict[str, ShardPart] = {}  # by shard name ("" for a given transport)
         self._opened = asyncio.Event()  # the first links exist
-        self._retired: list[_Shard] = []  # links closed with their shard: their counts
-        # Held sides from the engine's held_handoffs() that no shard has claimed
-        # yet, each with the shards that said they need not be held.
-        self._unattributed: dict[HeldSide, set[str]] = {}
+        self._retired: list[ShardPart] = []  # links closed with their shard: their counts
+        self._unattributed = Unattributed((), lambda: self._shards)
         self.facts = Facts(self._send_fact)
         self._stop_grace_s = stop_grace_s
-        self._handlers: dict[ActionKind, Handler] = {}
+        handlers: dict[ActionKind, Handler] = {}
         for kind, name in HANDLER_NAMES.items():
             handler = getattr(engine, name, None)
             if handler is not None:
-                self._handlers[kind] = handler
-        self._running: set[tuple[str, str, int]] = set()  # (shard, handoff id, action id)
+                handlers[kind] = handler
+        self._counters = Counters()
+        self._runner = HandlerRunner(
+            engine_id,
+            handlers,
+            self.facts,
+            self._counters,
+            timeout_s=handler_timeout_s,
+            grace_s=interrupt_grace_s,
+            on_late=self._free_late,
+        )
+        self._freer = Freer(
+            engine_id,
+            self._runner,
+            self._counters,
+            concurrency=cleanup_concurrency,
+            backoff=self._backoff,
+            rng=self.rng,
+        )
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
         self._ended = asyncio.Event()  # stopped on its own (fenced)
         self._fenced_by: OlderIncarnationError | None = None
-        self._received = self._handled = self._cache_hits = self._ignored = 0
-        self._handler_errors = self._rejected = self._unreached = 0
-        self._closed_hits = self._freed = self._unknown = self._unimplemented = 0
 
     @property
     def transport(self) -> SidecarTransport:
@@ -400,27 +244,9 @@ class EngineSidecar:
 
     @property
     def stats(self) -> SidecarStats:
-        links = [part.link for part in [*self._shards.values(), *self._retired]]
-        outboxes = [part.outbox for part in [*self._shards.values(), *self._retired]]
-        return SidecarStats(
-            actions_received=self._received,
-            handlers_run=self._handled,
-            answered_from_cache=self._cache_hits,
-            ignored_while_running=self._ignored,
-            handler_errors=self._handler_errors,
-            reconnects=self._unreached + sum(link.reconnects for link in links),
-            report_retries=sum(outbox.retries for outbox in outboxes),
-            reports_rejected=self._rejected,
-            answered_closed=self._closed_hits,
-            freed_on_complete=self._freed,
-            unknown_actions=self._unknown,
-            unimplemented=self._unimplemented,
-            session_conflicts=sum(link.conflicts for link in links),
-            reconciles=sum(link.reconciles for link in links),
-            orphans_reclaimed=sum(link.orphans_reclaimed for link in links),
-            lease_expiries=sum(link.lease_expiries for link in links),
-            freed_on_lease=sum(link.freed_on_lease for link in links),
-            freed_unreported=sum(link.freed_unreported for link in links),
+        parts = [*self._shards.values(), *self._retired]
+        return self._counters.snapshot(
+            (part.link for part in parts), (part.outbox for part in parts)
         )
 
     async def wait_subscribed(self) -> None:
@@ -481,24 +307,33 @@ class EngineSidecar:
             raise RuntimeError("the sidecar was already started")
         self._reader = asyncio.create_task(self._run(), name=f"sidecar-{self.engine_id}")
 
-    async def stop(self, grace_s: float | None = None) -> None:
+    async def stop(self, grace_s: float | None = None, *, free_held: bool = False) -> None:
         """Take no new actions, give running handlers and queued reports ``grace_s``,
         cancel the rest, unsubscribe.
 
-        ``grace_s=0`` stops at once, as a crashed engine would.
+        ``grace_s=0`` stops at once, as a crashed engine would. By default the
+        engine keeps what it holds, for a sidecar restarted beside it under
+        the same incarnation to resume. ``free_held=True`` stops for good:
+        first every side the engine holds (no activated decode) is freed
+        through its cancel handler (``action.origin`` STOP).
         """
+        if free_held:
+            await self._free_everything(Origin.STOP, keep_activated=True)
         grace = self._stop_grace_s if grace_s is None else grace_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         # Actions delivered from now on are left alone: they stay outstanding
         # and the server sends them again to the engine's next subscription.
-        self._stopping = True
+        self._stopping = self._freer.stopping = True
         tasks = set(self._tasks)
         if tasks and grace > 0:
             await asyncio.wait(tasks, timeout=grace)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        handlers = set(self._runner.tasks)  # unresponsive ones the sidecar went on without
+        for handler in handlers:
+            handler.cancel()
         outboxes = [part.outbox for part in self._shards.values()]
         await asyncio.gather(*(o.close(max(deadline - loop.time(), 0.0)) for o in outboxes))
         # Unsubscribe last: on Connect the stream also carries the reports
@@ -514,7 +349,7 @@ class EngineSidecar:
         try:
             # Which shard each held side belongs to is unknown: every shard is
             # asked, and a side is freed only once none of them expects it held.
-            self._unattributed = {side: set() for side in await self._engine_holds()}
+            self._unattributed = Unattributed(await self._engine_holds(), lambda: self._shards)
             if self._given is not None:
                 self._open("", self._given)
                 await self._ended.wait()
@@ -541,11 +376,11 @@ class EngineSidecar:
         failures = 0
         while (shard_map := await client.learn_shard_map()) is None:
             failures += 1
-            self._unreached += 1
+            self._counters.unreached += 1
             await asyncio.sleep(self._backoff.delay_s(failures, self.rng))
         return shard_map
 
-    async def _engine_holds(self) -> list[HeldSide]:
+    async def _engine_holds(self) -> list[SideId]:
         held_handoffs = getattr(self._engine, "held_handoffs", None)
         if held_handoffs is None:
             return []
@@ -554,7 +389,19 @@ class EngineSidecar:
         return [(handoff_id, role) for handoff_id, role in await held_handoffs()]
 
     def _open(self, name: str, transport: SidecarTransport) -> None:
-        part = _Shard(self, name, transport, self._backoff)
+        part = ShardPart(
+            name,
+            transport,
+            engine_id=self.engine_id,
+            incarnation=self.incarnation,
+            session_id=self.session_id,
+            cache_size=self.cache_size,
+            backoff=self._backoff,
+            rng=self.rng,
+            freer=self._freer,
+            unattributed=self._unattributed,
+            on_fenced=self._fenced,
+        )
         self._shards[name] = part
         part.task = asyncio.create_task(
             part.link.run(lambda action: self._dispatch(part, action)),
@@ -575,7 +422,7 @@ class EngineSidecar:
                     transport = self._wrap_transport(name, transport)
                 self._open(name, transport)
         for name, part in list(self._shards.items()):
-            if name in shard_map.names or self._busy(part):
+            if name in shard_map.names or part.busy:
                 continue
             log.info("shard %s left the map: closing its link", name, extra=self._extra)
             del self._shards[name]
@@ -583,79 +430,21 @@ class EngineSidecar:
             if part.task is not None:
                 part.task.cancel()
 
-    def _busy(self, part: _Shard) -> bool:
-        """Whether the engine may hold anything, or owes any report, for ``part``'s handoffs."""
-        return (
-            any(True for _ in part.ledger.holding())
-            or any(key[0] == part.name for key in self._running)
-            or part.outbox.pending > 0
-            or any(part.name not in said for said in self._unattributed.values())
-        )
-
-    # --- what each link reconciles, leases and reclaims ----------------------------
-
-    def _held(self, part: _Shard) -> list[HeldSide]:
-        """What ``part``'s lease and reconcile cover: its held sides, but no activated
-        decode, and every side no shard has claimed that it has not disowned."""
-        held = [(h, role) for h, role, side in part.ledger.holding() if not side.activated]
-        return held + [side for side, said in self._unattributed.items() if part.name not in said]
-
-    async def _reclaim(self, part: _Shard, sides: Iterable[HeldSide], why: str) -> list[HeldSide]:
-        """Close ``sides`` and free those still held (not an activated decode) on its own."""
-        owed = []
-        for handoff_id, role in sides:
-            if (handoff_id, role) in self._unattributed:
-                side = self._disowned(part, (handoff_id, role))
-                if side is None:
-                    continue  # another shard may still expect it held
-            else:
-                # Found, never made: a side another shard claimed meanwhile is not this one's.
-                side = part.ledger.find(handoff_id, role)
-                if side is None or not side.holds or side.activated:
-                    continue
-            side.closed = True  # a later acquiring action is answered from the tombstone
-            cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
-            owed.append((handoff_id, role, self._free_when_idle(cause, role, side, why)))
-        await asyncio.gather(*(free for _, _, free in owed))
-        return [(handoff_id, role) for handoff_id, role, _ in owed]
-
-    def _disowned(self, part: _Shard, held: HeldSide) -> Side | None:
-        """``part`` does not expect the unattributed side held: its tombstone, to free,
-        once no shard does; else None."""
-        said = self._unattributed[held]
-        said.add(part.name)
-        if not said.issuperset(self._shards):
-            return None
-        del self._unattributed[held]
-        side = part.ledger.side(*held)
-        side.acquired = True
-        return side
-
-    def _kept(self, part: _Shard, sides: Iterable[HeldSide]) -> None:
-        """``part`` expects these held: an unattributed one is its own from now on."""
-        for held in sides:
-            if self._unattributed.pop(held, None) is not None:
-                part.ledger.side(*held).acquired = True
-                log.info(
-                    "held %s side belongs to shard %s",
-                    held[1].name.lower(),
-                    part.name,
-                    extra=self._extra | {"handoff_id": held[0]},
-                )
-
     async def _fenced(self, error: OlderIncarnationError) -> None:
-        await self._free_everything()
+        await self._free_everything(Origin.FENCED, keep_activated=False)
         self._fenced_by = error
         self._ended.set()
 
-    def _dispatch(self, part: _Shard, action: Action) -> None:
+    # --- dispatch -------------------------------------------------------------------
+
+    def _dispatch(self, part: ShardPart, action: Action) -> None:
         """Take one delivered action. Never waits: the streams are always read."""
-        self._received += 1
+        self._counters.received += 1
         if self._stopping:
             return
         kind = action.kind
         if kind is ActionKind.UNKNOWN:
-            self._unknown += 1
+            self._counters.unknown += 1
             log.warning(
                 "skipped an action of a kind this SDK does not know (a newer server?)",
                 extra=self._log_extra(action),
@@ -666,23 +455,23 @@ class EngineSidecar:
             return
         cached = part.cache.get(action.handoff_id, action.id)
         if cached is not None:
-            self._cache_hits += 1
+            self._counters.cache_hits += 1
             self._spawn(self._await_report(part, action, self._send_outcome(part, action, cached)))
             return
-        key = (part.name, action.handoff_id, action.id)
-        if key in self._running:
-            self._ignored += 1  # the running handler reports when it is done
+        key = (action.handoff_id, action.id)
+        if key in part.running:
+            self._counters.ignored += 1  # the running handler reports when it is done
             return
         side = part.ledger.side(action.handoff_id, action.target)
         if kind in ACQUIRING_KINDS:
             if side.closed:
                 self._answer_closed(part, action)
                 return
-            self._running.add(key)
+            part.running.add(key)
             self._spawn(self._acquire(part, action, side))
         else:
-            side.closed = True  # from now on, nothing is acquired for this side
-            self._running.add(key)
+            side.close()  # from now on, nothing is acquired for this side
+            part.running.add(key)
             self._spawn(self._clean(part, action, side))
 
     def _spawn(self, work: Awaitable[None]) -> None:
@@ -690,66 +479,51 @@ class EngineSidecar:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # --- handlers ---------------------------------------------------------------
+    async def _acquire(self, part: ShardPart, action: Action, side: SideRecord) -> None:
+        key = (action.handoff_id, action.id)
+        reports: list[asyncio.Future[None]] = []
 
-    async def _acquire(self, part: _Shard, action: Action, side: Side) -> None:
-        key = (part.name, action.handoff_id, action.id)
-        report = None
+        def settle(outcome: Outcome) -> None:
+            if action.kind is ActionKind.ACTIVATE_DESTINATION and outcome == APPLIED:
+                side.activate()
+            part.cache.put(action.handoff_id, action.id, outcome)
+            # Queued before the handler's task yields, so the facts its own
+            # background work reports for this handoff line up behind it.
+            reports.append(self._send_outcome(part, action, outcome))
+
         try:
             async with self._slots:
                 if self._stopping:
                     return  # left outstanding for the next subscription
                 if side.closed:
                     # Canceled while it waited for a slot: it never starts.
-                    self._running.discard(key)
+                    part.running.discard(key)
                     self._answer_closed(part, action)
                     return
                 # An engine without the handler takes nothing: nothing to free later.
-                implemented = action.kind in self._handlers
-                if implemented:
-                    side.enter()
-                try:
-                    outcome = await self._run_handler(action)
-                finally:
-                    if implemented:
-                        side.leave()
-            assert outcome is not None  # only a cleanup's failure has no outcome
-            if (
-                action.kind is ActionKind.ACTIVATE_DESTINATION
-                and outcome.kind is OutcomeKind.APPLIED
-            ):
-                side.activated = True
-            part.cache.put(action.handoff_id, action.id, outcome)
-            # Queued before this task yields, so the facts the handler's own
-            # background work reports for this handoff line up behind it.
-            report = self._send_outcome(part, action, outcome)
+                if self._runner.has(action.kind):
+                    side.take()
+                await self._runner.run(action, side, settle)
         finally:
-            self._running.discard(key)
-        await self._await_report(part, action, report)
+            part.running.discard(key)
+        for report in reports:
+            await self._await_report(part, action, report)
 
-    async def _clean(self, part: _Shard, action: Action, side: Side) -> None:
-        key = (part.name, action.handoff_id, action.id)
+    async def _clean(self, part: ShardPart, action: Action, side: SideRecord) -> None:
+        key = (action.handoff_id, action.id)
         report = None
         try:
-            # Outside any slot: waiting for a stuck handler must not hold
-            # capacity that other handoffs' cleanups need.
-            await side.wait_idle()
-            async with side.freeing(), self._cleanup_slots:
-                if self._stopping:
-                    return
-                # Freed on its own (lease, orphan, notice): the engine's cancel
-                # ran once already, and the side was closed since.
-                outcome = NOOP if side.freed_here else await self._run_handler(action)
+            outcome = await self._freer.clean(action, side)
             if outcome is None:
                 return  # unacknowledged: the server redelivers it
             part.cache.put(action.handoff_id, action.id, outcome)
             report = self._send_outcome(part, action, outcome)
         finally:
-            self._running.discard(key)
+            part.running.discard(key)
         await self._await_report(part, action, report)
 
-    def _answer_closed(self, part: _Shard, action: Action) -> None:
-        self._closed_hits += 1
+    def _answer_closed(self, part: ShardPart, action: Action) -> None:
+        self._counters.closed_hits += 1
         log.info(
             "%s answered FAILED without running: this side was already canceled or released",
             action.kind.name,
@@ -759,113 +533,90 @@ class EngineSidecar:
         part.cache.put(action.handoff_id, action.id, outcome)
         self._spawn(self._await_report(part, action, self._send_outcome(part, action, outcome)))
 
-    async def _run_handler(self, action: Action) -> Outcome | None:
-        """The handler's outcome, or None to leave a cleanup action for redelivery."""
-        handler = self._handlers.get(action.kind)
-        if handler is None:
-            return self._unimplemented_outcome(action)
-        self._handled += 1
-        try:
-            with tracing.handler_span(action):
-                outcome = await handler(action, self.facts)
-        except Exception as error:  # an engine bug must not wedge the handoff
-            self._handler_errors += 1
-            log.exception("%s handler raised", action.kind.name, extra=self._log_extra(action))
-            problem = f"{action.kind.name} handler raised {type(error).__name__}: {error}"
-        else:
-            if outcome_allowed(action.kind, outcome):
-                return outcome
-            self._handler_errors += 1
-            problem = f"{action.kind.name} handler returned {outcome.kind.name}"
-            log.error(problem, extra=self._log_extra(action))
-        if action.kind in CLEANUP_KINDS:
-            return None
-        # Cut by bytes: the server's limit is on the encoded reason.
-        return Outcome.failed(problem.encode()[:MAX_REASON].decode(errors="ignore"))
-
-    def _unimplemented_outcome(self, action: Action) -> Outcome:
-        self._unimplemented += 1
-        name = HANDLER_NAMES[action.kind]
+    def _free_late(self, action: Action, side: SideRecord) -> None:
+        """A handler that ignored its cancellation returned after its side was freed,
+        having taken something: free that too."""
+        self._counters.freed_late += 1
         log.error(
-            "engine %s has no %s handler (a %s-only engine given the other side's work?)",
-            self.engine_id,
-            name,
-            "decode" if action.target is Role.SOURCE else "prefill",
+            "%s handler returned after its side was freed (%s): freeing what it took",
+            action.kind.name,
+            describe(action),
             extra=self._log_extra(action),
         )
-        if action.kind in CLEANUP_KINDS:
-            # An engine without this side's handlers never took anything for it.
-            return NOOP
-        return Outcome.failed(f"engine {self.engine_id} does not implement {name}")
+        self._spawn(self._free_on_own(action.handoff_id, action.target, side, Origin.LATE))
+
+    async def _free_on_own(
+        self, handoff_id: str, role: Role, side: SideRecord, origin: Origin
+    ) -> None:
+        await self._freer.free(handoff_id, role, side, origin)
 
     # --- completion -------------------------------------------------------------
 
-    def _take_complete(self, part: _Shard, action: Action) -> None:
-        """Close both sides now; free what is still held once their handlers are done."""
+    def _take_complete(self, part: ShardPart, action: Action) -> None:
+        """Close both sides now; free what is still held (interrupting its handlers)."""
         part.cache.forget(action.handoff_id)
-        owed: list[tuple[Role, Side]] = []
+        owed: list[tuple[Role, SideRecord]] = []
         for role in CANCEL_OF:
             side = part.ledger.side(action.handoff_id, role)
-            if not side.closed:
-                side.closed = True
+            side.close()
+            if not side.taken or side.freed:
+                continue
+            # The decode owns an activated request (or one that a success says
+            # was activated); only a reopened handoff's CancelDestination
+            # stops it, never a notice.
+            if role is Role.DESTINATION and action.completion is not Completion.CANCELED:
+                side.activate()
+            elif not side.activated:
                 owed.append((role, side))
         self._spawn(self._complete(action, owed))
 
-    async def _complete(self, action: Action, sides: list[tuple[Role, Side]]) -> None:
+    async def _complete(self, action: Action, sides: list[tuple[Role, SideRecord]]) -> None:
         for role, side in sides:
-            await side.wait_idle()
-            # The decode owns an activated request; only a reopened handoff's
-            # CancelDestination stops it, never a notice.
-            keep = role is Role.DESTINATION and (
-                side.activated or action.completion is not Completion.CANCELED
-            )
-            if side.acquired and not keep:
-                self._freed += 1
-                await self._free(action, role, side, "the handoff completed while it still held")
-        async with self._cleanup_slots:
+            if side.activating:
+                # Whether the decode comes to own its request is for the
+                # activation to say (bounded by handler_timeout_s).
+                await asyncio.wait(side.activating)
+            if side.activated:
+                continue
+            if await self._freer.free(action.handoff_id, role, side, Origin.COMPLETE):
+                self._counters.freed_on_complete += 1
+        async with self._freer.slots:
             try:
                 with tracing.handler_span(action):
-                    await self._engine.complete(action)
+                    await asyncio.wait_for(self._engine.complete(action), self._runner.timeout_s)
+            except TimeoutError:
+                self._counters.handler_timeouts += 1
+                log.error(
+                    "COMPLETE handler timed out after %s s",
+                    self._runner.timeout_s,
+                    extra=self._log_extra(action),
+                )
             except Exception:
-                self._handler_errors += 1
+                self._counters.handler_errors += 1
                 log.exception("COMPLETE handler raised", extra=self._log_extra(action))
 
-    async def _free(self, cause: Action, role: Role, side: Side, why: str) -> None:
-        """Run the engine's cancel for ``role`` on its own; nothing is reported."""
-        kind = CANCEL_OF[role]
-        cancel = Action(
-            handoff_id=cause.handoff_id,
-            id=cause.id,
-            kind=kind,
-            target=role,
-            engine_id=self.engine_id,
-            attempt=0,
-        )
-        log.info("%s: running %s", why, kind.name, extra=self._log_extra(cancel))
-        async with side.freeing(), self._cleanup_slots:
-            side.freed_here = await self._run_handler(cancel) is not None
-
-    async def _free_everything(self) -> None:
-        """Fenced: free, through the engine's cancel handlers, every side it may hold."""
+    async def _free_everything(self, origin: Origin, *, keep_activated: bool) -> None:
+        """Fenced, or stopping for good: free, through the engine's cancel handlers,
+        every side it may hold."""
         self._stopping = True
+        holding = [
+            (h, role, side)
+            for part in self._shards.values()
+            for h, role, side in part.ledger.holding()
+            if not (keep_activated and side.activated)
+        ]
+        holding += [(h, role, SideRecord()) for h, role in self._unattributed.take_all()]
         frees = []
-        holding = [held for part in self._shards.values() for held in part.ledger.holding()]
-        unattributed, self._unattributed = self._unattributed, {}
-        holding += [(h, role, Side(acquired=True)) for h, role in unattributed]
         for handoff_id, role, side in holding:
-            side.closed = True
-            cause = Action(handoff_id, 0, CANCEL_OF[role], role, self.engine_id, 0)
-            frees.append(self._free_when_idle(cause, role, side, "replaced by a newer incarnation"))
+            side.take()
+            side.close()
+            frees.append(self._freer.free(handoff_id, role, side, origin))
         await asyncio.gather(*frees)
-
-    async def _free_when_idle(self, cause: Action, role: Role, side: Side, why: str) -> None:
-        await side.wait_idle()
-        await self._free(cause, role, side, why)
 
     # --- reports ------------------------------------------------------------------
 
     @staticmethod
-    def _send_outcome(part: _Shard, action: Action, outcome: Outcome) -> asyncio.Future[None]:
+    def _send_outcome(part: ShardPart, action: Action, outcome: Outcome) -> asyncio.Future[None]:
         return part.outbox.send(
             action.handoff_id,
             lambda: part.transport.report_outcome(action.handoff_id, action.id, outcome),
@@ -875,7 +626,7 @@ class EngineSidecar:
         part = self._owner(handoff_id)
         return part.outbox.send(handoff_id, lambda: part.transport.report_fact(handoff_id, fact))
 
-    def _owner(self, handoff_id: str) -> _Shard:
+    def _owner(self, handoff_id: str) -> ShardPart:
         """The shard a fact about ``handoff_id`` goes to: the one whose stream brought
         its actions; for a handoff no action has come for yet, the client's owner."""
         for part in self._shards.values():
@@ -890,7 +641,7 @@ class EngineSidecar:
         return next(iter(self._shards.values()))
 
     async def _await_report(
-        self, part: _Shard, action: Action, report: asyncio.Future[None] | None
+        self, part: ShardPart, action: Action, report: asyncio.Future[None] | None
     ) -> None:
         if report is None:
             return
@@ -899,12 +650,12 @@ class EngineSidecar:
         except NotFoundError:
             # Abandoned, past retention, or a coordinator that lost its state:
             # nobody is waiting for this answer, nor will free what it holds.
-            self._rejected += 1
+            self._counters.rejected += 1
             log.info("outcome for an unknown handoff dropped", extra=self._log_extra(action))
             side = (action.handoff_id, action.target)
             await part.link.reclaim(side, "a report for it was answered NOT_FOUND")
         except HandoffRpcError as error:
-            self._rejected += 1
+            self._counters.rejected += 1
             log.error("outcome refused: %s", error, extra=self._log_extra(action))
 
     @property
@@ -912,8 +663,4 @@ class EngineSidecar:
         return {"engine_id": self.engine_id}
 
     def _log_extra(self, action: Action) -> dict[str, object]:
-        return {
-            "engine_id": self.engine_id,
-            "handoff_id": action.handoff_id,
-            "action_id": action.id,
-        }
+        return log_extra(self.engine_id, action)

@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import AsyncGenerator, Callable
 from typing import Literal, Protocol, runtime_checkable
 
-from handoff_client.client import HandoffClient, Side
+from handoff_client.client import HandoffClient, SideId
 from handoff_client.connect import ConnectTransport
 from handoff_client.errors import HandoffRpcError
 from handoff_client.liveness import Liveness
@@ -67,8 +67,8 @@ class LeasedTransport(SidecarTransport, Protocol):
         *,
         incarnation: str,
         session_id: str,
-        held: list[Side],
-        freed: list[Side],
+        held: list[SideId],
+        freed: list[SideId],
     ) -> Reconciled: ...
 
 

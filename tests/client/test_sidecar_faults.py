@@ -317,7 +317,10 @@ async def test_a_start_whose_answer_was_lost_is_retried_and_says_already_started
         )
 
     servicer.starts += [slow, retried]
-    retry = RetryPolicy(max_attempts=3, backoff=Backoff(initial_s=0.01, max_s=0.02))
+    # Each attempt gets 0.2 s of the call's 5 s: the second asks again in time.
+    retry = RetryPolicy(
+        max_attempts=3, backoff=Backoff(initial_s=0.01, max_s=0.02), attempt_timeout_s=0.2
+    )
     async with HandoffClient(f"127.0.0.1:{port}", retry=retry) as client:
         async with asyncio.timeout(TIMEOUT_S):
             update = await client.start_handoff(
@@ -325,7 +328,7 @@ async def test_a_start_whose_answer_was_lost_is_retried_and_says_already_started
                 engine_type=EngineType.VLLM,
                 source_engine_id=SOURCE,
                 destination_engine_id="decode-0",
-                timeout_s=0.2,
+                timeout_s=5.0,
             )
     assert applied.is_set()
     assert update.already_started

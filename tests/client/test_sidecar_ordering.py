@@ -280,21 +280,21 @@ async def test_a_cancel_redelivered_ahead_of_its_submit_leaks_nothing(
     assert car.stats.answered_closed == 1
 
 
-async def test_a_cancel_waits_for_its_sides_running_handler_then_frees(
+async def test_a_cancel_interrupts_its_sides_running_handler_then_frees(
     transport: ScriptedTransport, engine: CountingEngine
 ) -> None:
-    gate = engine.gate("h")
+    engine.gate("h")  # never set: the submit would wait forever
     async with sidecar(transport, engine), asyncio.timeout(TIMEOUT_S):
         transport.deliver(act("h", 0, ActionKind.SUBMIT_PREFILL))
         await engine.entered["h"].wait()
         transport.deliver(act("h", 1, ActionKind.CANCEL_SOURCE))
-        for _ in range(20):  # the cancel is taken and then held back
-            await asyncio.sleep(0)
-        assert engine.kinds("h") == [(ActionKind.SUBMIT_PREFILL, 1)]
-        gate.set()
-        assert await transport.outcome("h", 1) == APPLIED  # it freed what the submit took
-        assert await transport.outcome("h", 0) == SUBMITTED
+        # The submit is cancelled (it took nothing), then the cancel runs.
+        assert await transport.outcome("h", 1) == NOOP
+        submit = await transport.outcome("h", 0)
+        assert submit.kind is OutcomeKind.FAILED
+        assert "cancelled" in submit.reason
     assert engine.blocks == engine.double_frees == 0
+    assert engine.kinds("h") == [(ActionKind.SUBMIT_PREFILL, 1), (ActionKind.CANCEL_SOURCE, 1)]
 
 
 async def test_a_submit_still_queued_when_its_cancel_comes_never_runs(
@@ -384,22 +384,18 @@ async def test_complete_frees_a_destination_only_if_canceled_before_activation(
     assert ((ActionKind.CANCEL_DESTINATION, 0) in engine.kinds("h")) is freed
 
 
-async def test_complete_waits_for_a_running_handler_then_frees(
+async def test_complete_interrupts_a_running_handler_then_frees(
     transport: ScriptedTransport, engine: CountingEngine
 ) -> None:
-    gate = engine.gate("h")
+    engine.gate("h")  # never set
     async with sidecar(transport, engine), asyncio.timeout(TIMEOUT_S):
         transport.deliver(act("h", 0, ActionKind.SUBMIT_PREFILL))
         await engine.entered["h"].wait()
         transport.deliver(act("h", 2, ActionKind.COMPLETE, completion=Completion.CANCELED))
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not engine.completed
-        gate.set()
         await engine.notified.wait()
         # A redelivery after the notice runs nothing.
         transport.deliver(act("h", 0, ActionKind.SUBMIT_PREFILL, attempt=2))
-        assert (await transport.outcome("h", 0)).kind in (OutcomeKind.SUBMITTED, OutcomeKind.FAILED)
+        assert (await transport.outcome("h", 0)).kind is OutcomeKind.FAILED
     assert engine.blocks == engine.double_frees == engine.acquired_after_free == 0
     assert [kind for kind, _ in engine.kinds("h")] == [
         ActionKind.SUBMIT_PREFILL,

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from handoff_client.client import Side
+from handoff_client.client import SideId
 from handoff_client.errors import UnavailableError
 from handoff_client.model import Action, Fact, Outcome, Reconciled
 from handoff_client.transport import LeasedTransport
@@ -69,8 +69,8 @@ class FlakyTransport:
         *,
         incarnation: str,
         session_id: str,
-        held: list[Side],
-        freed: list[Side],
+        held: list[SideId],
+        freed: list[SideId],
     ) -> Reconciled:
         self._check_up()
         return await self._inner.reconcile(
