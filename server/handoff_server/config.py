@@ -55,6 +55,11 @@ class Settings:
     max_queued_actions_per_engine: int = _setting(
         10_000, "undelivered actions per engine at most; past it StartHandoff is refused"
     )
+    require_known_engines: bool = _setting(
+        False,
+        "refuse (FAILED_PRECONDITION) a StartHandoff naming an engine that has not "
+        "subscribed since this server started; off: such starts are counted and logged",
+    )
     drain_grace_s: float = _setting(
         20.0, "on SIGTERM, wait this long for active handoffs before canceling them"
     )
@@ -290,7 +295,17 @@ SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
 
 
 def _parser(default: object) -> Any:
-    return type(default)
+    return parse_bool if isinstance(default, bool) else type(default)
+
+
+def parse_bool(raw: str) -> bool:
+    """A switch's value from a flag or a variable: bool("false") would be True."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
 
 
 def env_name(name: str) -> str:
@@ -300,6 +315,10 @@ def env_name(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; --help shows the default and the variable."""
     for setting in fields(Settings):
+        # A switch alone turns it on; =false turns it off again.
+        switch: dict[str, Any] = (
+            {"nargs": "?", "const": True} if isinstance(setting.default, bool) else {}
+        )
         parser.add_argument(
             "--" + setting.name.replace("_", "-"),
             dest=setting.name,
@@ -308,6 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{setting.metadata['help']} (default: {setting.default}; "
             f"env {env_name(setting.name)})",
+            **switch,
         )
 
 

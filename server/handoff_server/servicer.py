@@ -30,6 +30,7 @@ from handoff_server.delivery import Dispatch, Fenced, Subscription
 from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
+from handoff_server.newcomers import Newcomers
 from handoff_server.registry import CallResult, Registry
 from handoff_server.shards import Misrouted, Shards
 
@@ -93,6 +94,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self._durable = durable
         self.subscription_headers = tuple(subscription_headers)
         self._engine_incarnation = engine_incarnation
+        self.newcomers = Newcomers(registry.settings, metrics)
 
     async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Wait until every accepted call so far is durable; a broken journal ends the call."""
@@ -146,7 +148,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             start = convert.start_request(request)
             if trace := _trace_context(context):
                 start = dataclasses.replace(start, trace_context=trace)
-            self.shards.check_start(start.handoff_id, start.handoff_id in self.registry.handoffs)
+            known = start.handoff_id in self.registry.handoffs
+            self.shards.check_start(start.handoff_id, known)
+            if not known:
+                self.newcomers.check_start((start.source_engine_id, start.destination_engine_id))
             result = self.registry.start(start)
             answer = Answer.of(result)
         except Exception as error:
@@ -286,6 +291,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         )
         if incarnation:
             self._engine_incarnation(subscription.engine_id, incarnation)
+        self.newcomers.subscribed(subscription.engine_id)
         return subscription
 
     def _heartbeat(self, asked: bool, ready: asyncio.Event) -> Heartbeat | None:
