@@ -304,26 +304,33 @@ def test_settings_are_real_settings_with_valid_values() -> None:
     assert envs == [{"configMapRef": {"name": one("ConfigMap")["metadata"]["name"]}}]
 
 
-def test_commented_security_settings_point_at_the_mounted_secrets() -> None:
-    commented = re.findall(r"^# (HANDOFF_\w+)=(\S+)$", (K8S / "settings.env").read_text(), re.M)
+def test_security_settings_point_at_the_mounted_secrets() -> None:
+    """Tokens are on in the base and need their Secret; TLS is commented, the
+    next step, and the pod starts without its Secret."""
+    text = (K8S / "settings.env").read_text()
+    commented = re.findall(r"^# (HANDOFF_\w+)=(\S+)$", text, re.M)
     # The OTLP endpoint is no file (tests/test_tracing_config.py checks it).
     commented = [(name, path) for name, path in commented if name != "HANDOFF_OTLP_ENDPOINT"]
     assert {name for name, _ in commented} == {
         "HANDOFF_TLS_CERT",
         "HANDOFF_TLS_KEY",
         "HANDOFF_TLS_CLIENT_CA",
-        "HANDOFF_TOKEN_FILE",
     }
+    token_file = settings_env()["HANDOFF_TOKEN_FILE"]
     mounts = {m["name"]: m for m in container()["volumeMounts"]}
     volumes = {v["name"]: v for v in one("StatefulSet")["spec"]["template"]["spec"]["volumes"]}
-    for _, path in commented:
+    for path, optional in [(path, True) for _, path in commented] + [(token_file, False)]:
         (mount,) = (m for m in mounts.values() if path.startswith(m["mountPath"] + "/"))
         assert mount["readOnly"] is True
         secret = volumes[mount["name"]]["secret"]
-        assert secret["optional"] is True, "the pod must start without the Secret"
-    unknown = [n for n, _ in commented if n.removeprefix("HANDOFF_").lower() not in SETTINGS]
-    if unknown:  # the server's security settings have not landed yet
-        pytest.skip(f"not yet settings of handoff serve: {', '.join(unknown)}")
+        assert secret.get("optional", False) is optional, path
+
+
+def test_the_pointers_to_the_deploy_guide_resolve() -> None:
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert "\n## Deploying\n" in operations
+    for path in (DOCKERFILE, K8S / "kustomization.yaml"):
+        assert 'docs/operations.md, "Deploying"' in path.read_text().replace("\n# ", " "), path
 
 
 def image_health_port() -> int:

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server import security, tracing
+from handoff_server import exposure, security, tracing
 from handoff_server.config import Settings
 from handoff_server.exposition import MetricsEndpoint
 from handoff_server.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
@@ -243,6 +243,7 @@ class Server:
             log.info("health only, plaintext, on %s:%d", settings.health_host, self.health_port)
         if tokens is not None and credentials is None:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
+        exposure.warn_if_open(settings.host, tls=credentials is not None, tokens=bool(tokens))
 
     def _health_only_server(self) -> grpc.aio.Server:
         """The same health service on a plaintext port of its own, and nothing

@@ -24,9 +24,11 @@ def _setting(default: Any, help: str, **extra: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    host: str = _setting("0.0.0.0", "address the gRPC server binds")
+    host: str = _setting("127.0.0.1", "address the gRPC server binds; 0.0.0.0 for every interface")
     port: int = _setting(50051, "gRPC port (0 picks a free one)")
-    metrics_host: str = _setting("0.0.0.0", "address the Prometheus metrics endpoint binds")
+    metrics_host: str = _setting(
+        "127.0.0.1", "address the Prometheus metrics endpoint binds; 0.0.0.0 for every interface"
+    )
     metrics_port: int = _setting(9464, "metrics HTTP port (0 picks a free one; -1 disables)")
     default_timeout_s: float = _setting(
         300.0, "handoff deadline when StartHandoff gives none, in seconds"
@@ -194,7 +196,9 @@ class Settings:
     health_request_within_s: float = _setting(
         1.0, "end a health call whose request has not arrived within this, in seconds"
     )
-    health_host: str = _setting("0.0.0.0", "address the plaintext health port binds")
+    health_host: str = _setting(
+        "127.0.0.1", "address the plaintext health port binds; 0.0.0.0 for every interface"
+    )
     health_port: int = _setting(
         -1,
         "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS "
