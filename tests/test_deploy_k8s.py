@@ -444,7 +444,39 @@ def test_locked_down() -> None:
     assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
     policy = one("NetworkPolicy")["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]
-    assert policy["egress"] == []
+    (dns,) = policy["egress"]  # DNS only; the OTLP rule is commented, as its setting
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+
+
+def test_the_otlp_egress_rule_names_the_collector_of_settings_env() -> None:
+    endpoint = re.search(
+        r"^# HANDOFF_OTLP_ENDPOINT=http://([\w-]+)\.([\w-]+):(\d+)$",
+        (K8S / "settings.env").read_text(),
+        re.M,
+    )
+    assert endpoint, "settings.env: the commented HANDOFF_OTLP_ENDPOINT"
+    policy = (K8S / "networkpolicy.yaml").read_text()
+    assert f"#     - port: {endpoint.group(3)}" in policy
+    assert f"#           kubernetes.io/metadata.name: {endpoint.group(2)}" in policy
+
+
+def test_shards_spread_over_nodes_and_zones() -> None:
+    pod = one("StatefulSet")["spec"]["template"]["spec"]
+    spread = {c["topologyKey"]: c for c in pod["topologySpreadConstraints"]}
+    assert spread["kubernetes.io/hostname"]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+    labels = one("StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    for constraint in spread.values():
+        assert constraint["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_memory_limit_holds_a_shard_full_to_its_admission_limits() -> None:
+    """docs/sharding.md's rule: 50 MiB + 2.3 KB per live + 468 B per retained, twice."""
+    settings = Settings()
+    full = 50 * 2**20 + settings.max_active_handoffs * 2300 + settings.max_retained * 468
+    limit = container()["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    assert int(limit.removesuffix("Gi")) * 2**30 >= 2 * full
 
 
 def test_prometheus_rule_is_rules_yaml() -> None:
@@ -467,3 +499,11 @@ def test_shard_settings_are_real_settings(name: str) -> None:
     if setting == "placing_shards":
         values["placing_shards"] = count - 1
     Settings(**values)  # type: ignore[arg-type]  # the server's own validation
+
+
+def test_the_documented_storage_class_patch_sets_the_journals_class(tmp_path: Path) -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (patch,) = re.findall(r"```yaml\n(patches:\n.*?)```", text, re.DOTALL)
+    resources = kustomize(overlay(tmp_path, "resources: [../k8s]\n" + patch))
+    (claim,) = one("StatefulSet", resources)["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
