@@ -30,13 +30,48 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"handoff {version(DISTRIBUTION)}\n"
 
 
-def test_an_unknown_serve_argument_prints_serves_usage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_serve_argument_is_one_line_naming_serve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--bogus"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: handoff serve ")
-    assert "handoff serve: error: unrecognized arguments: --bogus" in err
+    assert err == "handoff serve: unrecognized arguments: --bogus (see handoff serve --help)\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["serve", "--port", "abc"], "argument --port takes a whole number, got 'abc'"),
+        (["serve", "--drain-grace-s=soon"], "argument --drain-grace-s takes a number, got 'soon'"),
+        (["serve", "--require-known-engines=maybe"], "takes true or false, got 'maybe'"),
+        (["serve", "--log-level=loud"], "argument --log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_flag_and_what_it_takes(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("handoff serve: ")
+    assert said in err
+    assert "usage:" not in err
+
+
+def test_serve_help_groups_the_settings_by_topic(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    headings = re.findall(r"^(\S[^:\n]*):$", out, re.M)
+    assert headings == ["options", *config.TOPICS.values()]
+    listeners = out.partition("listeners:")[2].partition("handoffs and engines:")[0]
+    for flag in ("--host", "--port", "--metrics-port", "--health-port"):
+        assert flag in listeners
+    assert "--state-dir" in out.partition("durability (docs/durability.md):")[2]
 
 
 OFF_OR_PORT = "must be -1 (off), 0 (any free port) to 65535, got"

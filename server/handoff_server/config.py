@@ -316,14 +316,32 @@ def env_name(name: str) -> str:
     return "HANDOFF_" + name.upper()
 
 
+# `serve --help` by topic: each group starts at its setting, in field order;
+# the health port's settings sit with the other listeners.
+TOPICS = {
+    "host": "listeners",
+    "default_timeout_s": "handoffs and engines",
+    "otlp_endpoint": "logs, traces, event loop",
+    "state_dir": "durability (docs/durability.md)",
+    "shard_count": "sharding (docs/sharding.md)",
+    "tls_cert": "security (docs/security.md)",
+    "max_message_bytes": "limits (docs/limits.md)",
+}
+LISTENERS = ("health_host", "health_port")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; --help shows the default and the variable."""
+    """One flag per setting, grouped by topic; --help shows the default and the variable."""
+    groups = {topic: parser.add_argument_group(topic) for topic in TOPICS.values()}
+    group = groups["listeners"]
     for setting in fields(Settings):
+        if setting.name in TOPICS:
+            group = groups[TOPICS[setting.name]]
         # A switch alone turns it on; =false turns it off again.
         switch: dict[str, Any] = (
             {"nargs": "?", "const": True} if isinstance(setting.default, bool) else {}
         )
-        parser.add_argument(
+        (groups["listeners"] if setting.name in LISTENERS else group).add_argument(
             "--" + setting.name.replace("_", "-"),
             dest=setting.name,
             type=_parser(setting.default),
