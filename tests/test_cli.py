@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -153,3 +154,23 @@ async def start_one(target: str) -> None:
             source_engine_id="prefill-0",
             destination_engine_id="decode-0",
         )
+
+
+def test_a_taken_metrics_port_is_one_line_naming_the_flags() -> None:
+    """It printed "Event loop is closed" and a never-awaited coroutine: the gRPC
+    server already started was left to stop after the loop was gone."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [*SERVE, "--port=0", f"--metrics-port={port}", "--metrics-host=127.0.0.1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert f"cannot bind metrics on 127.0.0.1:{port}: in use" in done.stderr
+    assert "--metrics-host/--metrics-port (-1: off)" in done.stderr
+    for noise in ("Traceback", "Event loop is closed", "never awaited"):
+        assert noise not in done.stderr
