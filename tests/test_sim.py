@@ -475,5 +475,9 @@ def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -
     assert (
         "started: 15 (11 recovered from the journal at the last restart, 4 started since)" in text
     )
-    assert "completed success: 13" in text
+    assert "completed success: 13 (every success the server completed, those later " in text
+    assert "the summary's success plus reopened)" in text
+    # Beside PASS, each figure a reader compares says what it counts.
+    assert "(as the frontend last saw each handoff)" in text
+    assert "cleanup given up, not KV leaked" in text
     assert "active now: 0" in text
