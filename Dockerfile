@@ -6,7 +6,7 @@
 #   docker run --rm -p 50051:50051 -p 9464:9464 handoff:0.2.0
 #
 # Settings come from HANDOFF_* environment variables (or `handoff serve` flags
-# appended to `docker run`); see README.md, "Deploying".
+# appended to `docker run`); see docs/operations.md, "Deploying".
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -47,6 +47,13 @@ USER 10001:10001
 # SERVING or NOT_SERVING. Change or disable it (-1) with this variable, not
 # with --health-port: the HEALTHCHECK reads the variable.
 ENV HANDOFF_HEALTH_PORT=8081
+# `handoff serve` binds loopback unless told otherwise; a container is reached
+# on its own address, so the image binds every interface, explicitly. It warns
+# at start while the gRPC port is plaintext without tokens (docs/security.md,
+# "Production checklist").
+ENV HANDOFF_HOST=0.0.0.0 \
+    HANDOFF_METRICS_HOST=0.0.0.0 \
+    HANDOFF_HEALTH_HOST=0.0.0.0
 # The journal (docs/durability.md): a container restarted after a crash or an
 # OOM kill recovers its handoffs from here. Mount a volume on it to keep it
 # across containers; HANDOFF_STATE_DIR= (empty) keeps everything in memory.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
+import tempfile
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -476,5 +478,34 @@ def test_the_summary_shows_the_crash_and_counts_the_started_handoffs_exactly() -
     assert (
         "started: 15 (11 recovered from the journal at the last restart, 4 started since)" in text
     )
-    assert "completed success: 13" in text
+    assert "completed success: 13 (every success the server completed, those later " in text
+    assert "the summary's success plus reopened)" in text
+    # Beside PASS, each figure a reader compares says what it counts.
+    assert "(as the frontend last saw each handoff)" in text
+    assert "cleanup given up, not KV leaked" in text
     assert "active now: 0" in text
+
+
+def test_a_temporary_log_left_empty_is_removed_and_a_written_one_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sim and demo run in the suite left an empty handoff-*.log in /tmp."""
+    from handoff_client.sim import options
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = logging.getLogger()
+    saved = (root.handlers[:], root.level)
+    try:
+        empty = options.log_to_file(None)
+        assert options.logs_line(empty) == "logs: none (nothing was logged)"
+        assert not empty.exists()
+        written = options.log_to_file(None)
+        logging.getLogger("handoff.test").warning("kept")
+        assert options.logs_line(written) == f"logs: {written}"
+        assert "kept" in written.read_text()
+        given = tmp_path / "given.log"
+        assert options.logs_line(options.log_to_file(given)) == f"logs: {given}"
+        assert given.exists()  # a file the caller named is never removed
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["given.log", written.name])

@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,13 +31,48 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"handoff {version(DISTRIBUTION)}\n"
 
 
-def test_an_unknown_serve_argument_prints_serves_usage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unknown_serve_argument_is_one_line_naming_serve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--bogus"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: handoff serve ")
-    assert "handoff serve: error: unrecognized arguments: --bogus" in err
+    assert err == "handoff serve: unrecognized arguments: --bogus (see handoff serve --help)\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["serve", "--port", "abc"], "argument --port takes a whole number, got 'abc'"),
+        (["serve", "--drain-grace-s=soon"], "argument --drain-grace-s takes a number, got 'soon'"),
+        (["serve", "--require-known-engines=maybe"], "takes true or false, got 'maybe'"),
+        (["serve", "--log-level=loud"], "argument --log-level: invalid choice: 'loud'"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_the_flag_and_what_it_takes(
+    capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("handoff serve: ")
+    assert said in err
+    assert "usage:" not in err
+
+
+def test_serve_help_groups_the_settings_by_topic(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    headings = re.findall(r"^(\S[^:\n]*):$", out, re.M)
+    assert headings == ["options", *config.TOPICS.values()]
+    listeners = out.partition("listeners:")[2].partition("handoffs and engines:")[0]
+    for flag in ("--host", "--port", "--metrics-port", "--health-port"):
+        assert flag in listeners
+    assert "--state-dir" in out.partition("durability (docs/durability.md):")[2]
 
 
 OFF_OR_PORT = "must be -1 (off), 0 (any free port) to 65535, got"
@@ -118,3 +154,23 @@ async def start_one(target: str) -> None:
             source_engine_id="prefill-0",
             destination_engine_id="decode-0",
         )
+
+
+def test_a_taken_metrics_port_is_one_line_naming_the_flags() -> None:
+    """It printed "Event loop is closed" and a never-awaited coroutine: the gRPC
+    server already started was left to stop after the loop was gone."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [*SERVE, "--port=0", f"--metrics-port={port}", "--metrics-host=127.0.0.1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert f"cannot bind metrics on 127.0.0.1:{port}: in use" in done.stderr
+    assert "--metrics-host/--metrics-port (-1: off)" in done.stderr
+    for noise in ("Traceback", "Event loop is closed", "never awaited"):
+        assert noise not in done.stderr

@@ -389,3 +389,27 @@ def test_no_tracked_file_refers_to_a_directory_beside_the_clone() -> None:
         if OUTSIDE in content:
             offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"these refer to {OUTSIDE.decode()}: {offenders}"
+
+
+# --- the README's headline figures ---------------------------------------------------
+
+FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
+
+
+def headline_table() -> str:
+    """The marked block of bench/RESULTS.md: the current figures the README states."""
+    text = (ROOT / "bench" / "RESULTS.md").read_text()
+    block = re.search(r"<!-- headline\b.*?-->\n(.*?)<!-- /headline -->", text, re.DOTALL)
+    assert block, "bench/RESULTS.md: no <!-- headline --> ... <!-- /headline --> block"
+    return block.group(1)
+
+
+def test_the_readme_states_the_headline_figures_of_the_benchmark_sheet() -> None:
+    rows = [line.split("|")[2] for line in headline_table().splitlines()[2:] if line]
+    sheet = sorted(FIGURE.findall(" ".join(rows)))
+    paragraph = README.read_text().partition("**What it costs**")[2].partition("\n\n")[0]
+    assert "(bench/RESULTS.md)" in paragraph
+    # The README's own figures, less the sizes that name what was measured.
+    stated = [n for n in FIGURE.findall(paragraph) if n != "100,000"]
+    assert sorted(stated) == sheet
+    assert len(paragraph.strip().splitlines()) == 3

@@ -304,26 +304,33 @@ def test_settings_are_real_settings_with_valid_values() -> None:
     assert envs == [{"configMapRef": {"name": one("ConfigMap")["metadata"]["name"]}}]
 
 
-def test_commented_security_settings_point_at_the_mounted_secrets() -> None:
-    commented = re.findall(r"^# (HANDOFF_\w+)=(\S+)$", (K8S / "settings.env").read_text(), re.M)
+def test_security_settings_point_at_the_mounted_secrets() -> None:
+    """Tokens are on in the base and need their Secret; TLS is commented, the
+    next step, and the pod starts without its Secret."""
+    text = (K8S / "settings.env").read_text()
+    commented = re.findall(r"^# (HANDOFF_\w+)=(\S+)$", text, re.M)
     # The OTLP endpoint is no file (tests/service/test_tracing_config.py checks it).
     commented = [(name, path) for name, path in commented if name != "HANDOFF_OTLP_ENDPOINT"]
     assert {name for name, _ in commented} == {
         "HANDOFF_TLS_CERT",
         "HANDOFF_TLS_KEY",
         "HANDOFF_TLS_CLIENT_CA",
-        "HANDOFF_TOKEN_FILE",
     }
+    token_file = settings_env()["HANDOFF_TOKEN_FILE"]
     mounts = {m["name"]: m for m in container()["volumeMounts"]}
     volumes = {v["name"]: v for v in one("StatefulSet")["spec"]["template"]["spec"]["volumes"]}
-    for _, path in commented:
+    for path, optional in [(path, True) for _, path in commented] + [(token_file, False)]:
         (mount,) = (m for m in mounts.values() if path.startswith(m["mountPath"] + "/"))
         assert mount["readOnly"] is True
         secret = volumes[mount["name"]]["secret"]
-        assert secret["optional"] is True, "the pod must start without the Secret"
-    unknown = [n for n, _ in commented if n.removeprefix("HANDOFF_").lower() not in SETTINGS]
-    if unknown:  # the server's security settings have not landed yet
-        pytest.skip(f"not yet settings of handoff serve: {', '.join(unknown)}")
+        assert secret.get("optional", False) is optional, path
+
+
+def test_the_pointers_to_the_deploy_guide_resolve() -> None:
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert "\n## Deploying\n" in operations
+    for path in (DOCKERFILE, K8S / "kustomization.yaml"):
+        assert 'docs/operations.md, "Deploying"' in path.read_text().replace("\n# ", " "), path
 
 
 def image_health_port() -> int:
@@ -437,7 +444,39 @@ def test_locked_down() -> None:
     assert set(resources["requests"]) == set(resources["limits"]) == {"cpu", "memory"}
     policy = one("NetworkPolicy")["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"]
-    assert policy["egress"] == []
+    (dns,) = policy["egress"]  # DNS only; the OTLP rule is commented, as its setting
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+
+
+def test_the_otlp_egress_rule_names_the_collector_of_settings_env() -> None:
+    endpoint = re.search(
+        r"^# HANDOFF_OTLP_ENDPOINT=http://([\w-]+)\.([\w-]+):(\d+)$",
+        (K8S / "settings.env").read_text(),
+        re.M,
+    )
+    assert endpoint, "settings.env: the commented HANDOFF_OTLP_ENDPOINT"
+    policy = (K8S / "networkpolicy.yaml").read_text()
+    assert f"#     - port: {endpoint.group(3)}" in policy
+    assert f"#           kubernetes.io/metadata.name: {endpoint.group(2)}" in policy
+
+
+def test_shards_spread_over_nodes_and_zones() -> None:
+    pod = one("StatefulSet")["spec"]["template"]["spec"]
+    spread = {c["topologyKey"]: c for c in pod["topologySpreadConstraints"]}
+    assert spread["kubernetes.io/hostname"]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+    labels = one("StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    for constraint in spread.values():
+        assert constraint["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_memory_limit_holds_a_shard_full_to_its_admission_limits() -> None:
+    """docs/sharding.md's rule: 50 MiB + 2.3 KB per live + 468 B per retained, twice."""
+    settings = Settings()
+    full = 50 * 2**20 + settings.max_active_handoffs * 2300 + settings.max_retained * 468
+    limit = container()["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi")
+    assert int(limit.removesuffix("Gi")) * 2**30 >= 2 * full
 
 
 def test_prometheus_rule_is_rules_yaml() -> None:
@@ -460,3 +499,11 @@ def test_shard_settings_are_real_settings(name: str) -> None:
     if setting == "placing_shards":
         values["placing_shards"] = count - 1
     Settings(**values)  # type: ignore[arg-type]  # the server's own validation
+
+
+def test_the_documented_storage_class_patch_sets_the_journals_class(tmp_path: Path) -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    (patch,) = re.findall(r"```yaml\n(patches:\n.*?)```", text, re.DOTALL)
+    resources = kustomize(overlay(tmp_path, "resources: [../k8s]\n" + patch))
+    (claim,) = one("StatefulSet", resources)["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"

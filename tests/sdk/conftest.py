@@ -9,6 +9,7 @@ suite they run as well, with this venv's own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -31,6 +32,13 @@ def coordinator_command() -> list[str]:
 @pytest.fixture(scope="module")
 def coordinator() -> Iterator[str]:
     """HOST:PORT of a real coordinator process on a free loopback port."""
+    with serving() as target:
+        yield target
+
+
+@contextlib.contextmanager
+def serving(*flags: str) -> Iterator[str]:
+    """A coordinator process with ``flags`` besides the loopback ones, until exit."""
     process = subprocess.Popen(
         [
             *coordinator_command(),
@@ -39,6 +47,7 @@ def coordinator() -> Iterator[str]:
             "--port=0",
             "--metrics-port=-1",
             "--drain-grace-s=0.1",
+            *flags,
         ],
         stderr=subprocess.PIPE,
         text=True,

@@ -54,3 +54,24 @@ def test_every_setting_has_a_flag_and_a_variable_in_help(
 def test_bad_values_are_refused_clearly(environ: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config.from_arguments(argparse.Namespace(), environ)
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, False),
+        (["--require-known-engines"], {}, True),
+        (["--require-known-engines=false"], {"HANDOFF_REQUIRE_KNOWN_ENGINES": "1"}, False),
+        ([], {"HANDOFF_REQUIRE_KNOWN_ENGINES": "true"}, True),
+        ([], {"HANDOFF_REQUIRE_KNOWN_ENGINES": "off"}, False),
+    ],
+)
+def test_a_switch_is_on_alone_and_reads_true_or_false(
+    argv: list[str], environ: dict[str, str], expected: bool
+) -> None:
+    assert parse(argv, environ).require_known_engines is expected
+
+
+def test_a_switch_refuses_a_value_that_is_not_true_or_false() -> None:
+    with pytest.raises(ValueError, match="HANDOFF_REQUIRE_KNOWN_ENGINES='maybe'"):
+        parse([], {"HANDOFF_REQUIRE_KNOWN_ENGINES": "maybe"})

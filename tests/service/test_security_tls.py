@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import sys
@@ -18,6 +17,7 @@ from handoff_client.errors import NotFoundError, UnavailableError
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.commands import health
+from handoff_server.commands.cli import build_parser
 from handoff_server.ops.config import Settings
 from handoff_server.service.app import Server
 from handoff_server.service.security import SecurityConfigError
@@ -143,7 +143,7 @@ async def test_a_plaintext_health_port_serves_probes_and_nothing_else(
     assert server.health_port not in (0, server.port)
     target = f"127.0.0.1:{server.health_port}"
     # What the container's HEALTHCHECK and an exec probe run: plaintext, no token.
-    args = argparse.Namespace(target=target, service="", timeout=5.0)
+    args = build_parser().parse_args(["health", "--target", target])
     assert await asyncio.to_thread(health.check, args) == (0, f"{target} service '' is SERVING")
     async with asyncio.timeout(TIMEOUT_S), grpc.aio.insecure_channel(target) as plaintext:
         stub = pb_grpc.HandoffCoordinatorStub(plaintext)

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"handoff sim: {args.target}: {error}", file=sys.stderr)
         return 1
     finally:
-        print(f"logs: {log_path}")
+        print(options.logs_line(log_path))
     return 0 if ok else 1
 
 

@@ -210,12 +210,30 @@ class _ContextFormatter(logging.Formatter):
         return f"{line} [{context}]" if context else line
 
 
+# Log files this process made up a name for: removed at the end if left empty.
+_MADE: set[Path] = set()
+
+
 def log_to_file(path: Path | None) -> Path:
     """Send warnings to a file, not the terminal: the progress line owns the terminal."""
     if path is None:
         with tempfile.NamedTemporaryFile(prefix="handoff-", suffix=".log", delete=False) as f:
             path = Path(f.name)
+        _MADE.add(path)
     handler = logging.FileHandler(path)
     handler.setFormatter(_ContextFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     logging.basicConfig(handlers=[handler], level=logging.WARNING, force=True)
     return path
+
+
+def logs_line(path: Path) -> str:
+    """The run's last line: where its warnings are. A temporary log nothing was
+    written to is removed (every run in the test suite left one behind)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    if path in _MADE and path.exists() and path.stat().st_size == 0:
+        logging.basicConfig(handlers=[logging.NullHandler()], force=True)  # closes the file
+        path.unlink()
+        _MADE.discard(path)
+        return "logs: none (nothing was logged)"
+    return f"logs: {path}"

@@ -42,7 +42,7 @@ def render(result: SimResult, metrics: ServerMetrics | Sequence[ServerMetrics] |
             f"{c.started} started in {result.load_s:.1f} s "
             f"({c.started / max(result.load_s, 1e-9):.1f}/s), {result.total_s:.1f} s with settling",
         ),
-        ("success", str(c.success)),
+        ("success", f"{c.success} (as the frontend last saw each handoff)"),
         (
             "canceled",
             f"{c.canceled} (by the client {by_client}, during decode {in_decode}, "
@@ -52,7 +52,8 @@ def render(result: SimResult, metrics: ServerMetrics | Sequence[ServerMetrics] |
             "abandoned",
             f"{leaks.abandoned_with_dead_engine + leaks.abandoned_with_stuck_handler} "
             f"(cleanup owed by a dead engine {leaks.abandoned_with_dead_engine}, "
-            f"waiting for a stuck handler {leaks.abandoned_with_stuck_handler})",
+            f"waiting for a stuck handler {leaks.abandoned_with_stuck_handler}; "
+            "cleanup given up, not KV leaked: the verdict checks every live pool)",
         ),
         ("refused", f"{c.refused} (StartHandoff refused)"),
         ("stuck", str(len(leaks.stuck) + len(leaks.lost))),
@@ -189,7 +190,10 @@ def _server_rows(metrics: Sequence[ServerMetrics] | str) -> list[str]:
     ]
     if len(metrics) > 1:
         rows.append(("misrouted starts", _total(metrics, "handoff_misrouted_starts_total")))
-    lines += [f"{key:>{KEY_WIDTH}}: {value:.0f}" for key, value in rows]
+    lines += [
+        f"{key:>{KEY_WIDTH}}: {value:.0f}" + (f" ({SAYS[key]})" if key in SAYS else "")
+        for key, value in rows
+    ]
     lost = _by_label(metrics, "handoff_engines_lost_total", "cause")
     lines.append(
         f"{'engines lost':>{KEY_WIDTH}}: "
@@ -199,6 +203,14 @@ def _server_rows(metrics: Sequence[ServerMetrics] | str) -> list[str]:
     shown = ", ".join(f"{code} {n:.0f}" for code, n in sorted(rejections.items()) if n)
     lines.append(f"{'rejections':>{KEY_WIDTH}}: {shown or '0'}")
     return lines
+
+
+# What a server figure counts, where a reader compares it with the summary's.
+SAYS = {
+    "completed success": "every success the server completed, those later reopened too: "
+    "the summary's success plus reopened",
+    "abandoned": "the summary's abandoned, counted by the server",
+}
 
 
 def _started(shards: Sequence[ServerMetrics]) -> str:

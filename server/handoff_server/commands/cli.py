@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import NoReturn
 
 # Each module has add_parser(commands), which registers one subcommand.
 COMMANDS = {
@@ -34,12 +36,32 @@ def installed_version() -> str:
         return "unknown"
 
 
+class Parser(argparse.ArgumentParser):
+    """Usage errors in one line naming the flag and what it takes, not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {_expected(message)} (see {self.prog} --help)\n")
+
+
+# argparse's "invalid int value: 'abc'", said as what the flag takes.
+EXPECTED = {"int": "a whole number", "float": "a number", "parse_bool": "true or false"}
+
+
+def _expected(message: str) -> str:
+    invalid = re.fullmatch(r"(argument \S+): invalid (\w+) value: (.*)", message)
+    if invalid is None or invalid.group(2) not in EXPECTED:
+        return message
+    flag, kind, value = invalid.groups()
+    return f"{flag} takes {EXPECTED[kind]}, got {value}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="handoff",
         description="Coordinate prefill-to-decode KV-cache handoffs for disaggregated LLM serving.",
     )
     parser.add_argument("--version", action="version", version=f"handoff {installed_version()}")
+    # Each command's parser is a Parser too: argparse makes them of the parent's class.
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         try:
@@ -55,9 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_unavailable(
-    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, missing: str
-) -> None:
+def _add_unavailable(commands: argparse._SubParsersAction[Parser], name: str, missing: str) -> None:
     """A command whose dependencies are not installed: it explains, whatever its arguments."""
     parser = commands.add_parser(
         name, help=f"(needs the server extra: {SERVER_EXTRA})", add_help=False

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         print("handoff demo: terminated; the coordinator is stopped", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        print(f"logs: {log_path}")
+        print(options.logs_line(log_path))
     return 0 if ok else 1
 
 

@@ -15,6 +15,9 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from handoff_client.credentials import ChannelSecurity
+from handoff_server.commands import caller_options
+
 SERVING = 0
 NOT_SERVING = 1
 
@@ -59,22 +62,32 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="S",
         help="give up after S seconds (default: 5)",
     )
+    # Check is exempt from tokens by default (--auth-exempt-methods); a token
+    # is for a server that exempts nothing.
+    caller_options.add_arguments(parser, "")
     parser.set_defaults(run=run)
 
 
-def open_channel(args: argparse.Namespace) -> grpc.Channel:
-    """The channel to the server. The one place transport security would be configured."""
-    return grpc.insecure_channel(args.target)
+def open_channel(args: argparse.Namespace, security: ChannelSecurity) -> grpc.Channel:
+    """The channel to the server, with the same TLS as `handoff inspect`."""
+    credentials = security.channel_credentials()
+    if credentials is None:
+        return grpc.insecure_channel(args.target)
+    return grpc.secure_channel(args.target, credentials)
 
 
 def check(args: argparse.Namespace) -> tuple[int, str]:
     """Returns the exit code and the line that explains it."""
     what = f"{args.target} service {args.service!r}"
-    with open_channel(args) as channel:
+    try:
+        security = caller_options.security(args)
+    except (OSError, ValueError) as error:  # unreadable TLS material or token file
+        return NOT_SERVING, f"cannot check {what}: {error}"
+    with open_channel(args, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest(service=args.service)
         try:
-            response = stub.Check(request, timeout=args.timeout)
+            response = stub.Check(request, timeout=args.timeout, metadata=security.metadata())
         except grpc.RpcError as error:
             code: grpc.StatusCode = error.code()
             details: str = error.details() or ""
@@ -83,7 +96,8 @@ def check(args: argparse.Namespace) -> tuple[int, str]:
             elif code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 reason = f"no answer within {args.timeout:g} s (DEADLINE_EXCEEDED)"
             elif code is grpc.StatusCode.UNAVAILABLE:
-                reason = f"unreachable (UNAVAILABLE: {details})"
+                hint = caller_options.transport_hint(details, security.tls)
+                reason = f"unreachable (UNAVAILABLE: {details}){hint}"
             else:
                 reason = f"health check failed ({code.name}: {details})"
             return NOT_SERVING, f"{what} is {reason}"

@@ -95,6 +95,7 @@ class EngineChannel:
         "subscription",
         "epoch",
         "offline_since",
+        "connected",
     )
 
     def __init__(self, engine_id: str, now: float, epoch: int) -> None:
@@ -116,6 +117,8 @@ class EngineChannel:
         # stream, or a forgotten channel, never fires.
         self.epoch = epoch
         self.offline_since: float | None = now
+        # Whether any stream ever subscribed while this channel was remembered.
+        self.connected = False
 
     def notify(self) -> None:
         if self.subscription is not None:
@@ -205,6 +208,7 @@ class Delivery:
         channel.subscription = subscription
         channel.epoch = next(self._epochs)
         channel.offline_since = None
+        channel.connected = True
         # At least once: whatever was written to an earlier stream and not
         # acknowledged goes out again, before anything issued after it.
         again = [d for key, d in channel.unacked.items() if d.attempt and key not in channel.queue]
@@ -311,12 +315,20 @@ class Delivery:
     ) -> None:
         for engine_id in engines:
             channel = self._channel(engine_id)
+            if action.kind is ActionKind.COMPLETE and self._never_came(channel):
+                continue
             dispatch = Dispatch(handoff_id, action, role, engine_id, 0, next(self._sequence), trace)
             key = (handoff_id, action.id)
             channel.queue[key] = dispatch
             if action.kind is not ActionKind.COMPLETE:
                 channel.unacked[key] = dispatch
             channel.notify()
+
+    def _never_came(self, channel: EngineChannel) -> bool:
+        """An engine declared lost before any stream of it subscribed: a notice
+        queued for it would reach a later engine under that id, one that never
+        took part in the handoff."""
+        return not channel.connected and self.unreachable(channel.engine_id, self.clock())
 
     def acknowledge(self, handoff_id: str, action_id: int, engines: Iterable[str]) -> None:
         """The action's outcome is in: its engine had it, written to a stream or not."""

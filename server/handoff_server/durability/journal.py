@@ -63,6 +63,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from handoff_server.durability import statedir
+
 log = logging.getLogger("handoff.journal")
 
 # 2: a completed handoff's history is replaced by one snapshot record
@@ -167,8 +169,13 @@ class Journal:
         A corrupt database is moved aside (kept for inspection) and the
         server starts empty: a coordinator that will not start serves no one.
         """
-        state_dir.mkdir(parents=True, exist_ok=True)
-        lock_fd = _lock(state_dir)
+        problem = statedir.prepare(state_dir)
+        if problem is not None:
+            raise JournalError(problem)
+        try:
+            lock_fd = _lock(state_dir)
+        except PermissionError as error:
+            raise JournalError(statedir.unwritable(state_dir, error)) from error
         try:
             path = state_dir / DATABASE
             _report_torn_tail(path)

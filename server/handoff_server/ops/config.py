@@ -24,9 +24,11 @@ def _setting(default: Any, help: str, **extra: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    host: str = _setting("0.0.0.0", "address the gRPC server binds")
+    host: str = _setting("127.0.0.1", "address the gRPC server binds; 0.0.0.0 for every interface")
     port: int = _setting(50051, "gRPC port (0 picks a free one)")
-    metrics_host: str = _setting("0.0.0.0", "address the Prometheus metrics endpoint binds")
+    metrics_host: str = _setting(
+        "127.0.0.1", "address the Prometheus metrics endpoint binds; 0.0.0.0 for every interface"
+    )
     metrics_port: int = _setting(9464, "metrics HTTP port (0 picks a free one; -1 disables)")
     default_timeout_s: float = _setting(
         300.0, "handoff deadline when StartHandoff gives none, in seconds"
@@ -54,6 +56,11 @@ class Settings:
     )
     max_queued_actions_per_engine: int = _setting(
         10_000, "undelivered actions per engine at most; past it StartHandoff is refused"
+    )
+    require_known_engines: bool = _setting(
+        False,
+        "refuse (FAILED_PRECONDITION) a StartHandoff naming an engine that has not "
+        "subscribed since this server started; off: such starts are counted and logged",
     )
     drain_grace_s: float = _setting(
         20.0, "on SIGTERM, wait this long for active handoffs before canceling them"
@@ -189,7 +196,9 @@ class Settings:
     health_request_within_s: float = _setting(
         1.0, "end a health call whose request has not arrived within this, in seconds"
     )
-    health_host: str = _setting("0.0.0.0", "address the plaintext health port binds")
+    health_host: str = _setting(
+        "127.0.0.1", "address the plaintext health port binds; 0.0.0.0 for every interface"
+    )
     health_port: int = _setting(
         -1,
         "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS "
@@ -290,17 +299,49 @@ SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
 
 
 def _parser(default: object) -> Any:
-    return type(default)
+    return parse_bool if isinstance(default, bool) else type(default)
+
+
+def parse_bool(raw: str) -> bool:
+    """A switch's value from a flag or a variable: bool("false") would be True."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
 
 
 def env_name(name: str) -> str:
     return "HANDOFF_" + name.upper()
 
 
+# `serve --help` by topic: each group starts at its setting, in field order;
+# the health port's settings sit with the other listeners.
+TOPICS = {
+    "host": "listeners",
+    "default_timeout_s": "handoffs and engines",
+    "otlp_endpoint": "logs, traces, event loop",
+    "state_dir": "durability (docs/durability.md)",
+    "shard_count": "sharding (docs/sharding.md)",
+    "tls_cert": "security (docs/security.md)",
+    "max_message_bytes": "limits (docs/limits.md)",
+}
+LISTENERS = ("health_host", "health_port")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; --help shows the default and the variable."""
+    """One flag per setting, grouped by topic; --help shows the default and the variable."""
+    groups = {topic: parser.add_argument_group(topic) for topic in TOPICS.values()}
+    group = groups["listeners"]
     for setting in fields(Settings):
-        parser.add_argument(
+        if setting.name in TOPICS:
+            group = groups[TOPICS[setting.name]]
+        # A switch alone turns it on; =false turns it off again.
+        switch: dict[str, Any] = (
+            {"nargs": "?", "const": True} if isinstance(setting.default, bool) else {}
+        )
+        (groups["listeners"] if setting.name in LISTENERS else group).add_argument(
             "--" + setting.name.replace("_", "-"),
             dest=setting.name,
             type=_parser(setting.default),
@@ -308,6 +349,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{setting.metadata['help']} (default: {setting.default}; "
             f"env {env_name(setting.name)})",
+            **switch,
         )
 
 

@@ -129,6 +129,13 @@ class Metrics:
             "routing on another shard map).",
             registry=r,
         )
+        self.unknown_engine_starts = Counter(
+            "handoff_unknown_engine_starts",
+            "StartHandoff calls naming an engine that has not subscribed to this server "
+            "since it started (a typo, or engines that connect later); refused with "
+            "--require-known-engines.",
+            registry=r,
+        )
         # Label children resolved once: .labels() costs a lock and a dict
         # lookup on every call, and these run on every handoff.
         self.completed_by = {c: self.completed.labels(c.value) for c in Completion}

@@ -23,7 +23,7 @@ from handoff_server.durability.recovery import Recovery, ReplayClock, recover
 from handoff_server.ops import tracing
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import security
+from handoff_server.service import exposure, security
 from handoff_server.service.exposition import MetricsEndpoint
 from handoff_server.service.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
 from handoff_server.service.probes import HealthGate
@@ -218,7 +218,15 @@ class Server:
             self._health_grpc = health_server
         if settings.metrics_port >= 0:
             endpoint = MetricsEndpoint(self.metrics.registry)
-            self.metrics_port = await endpoint.start(settings.metrics_host, settings.metrics_port)
+            try:
+                with _bind_errors("metrics", f"{settings.metrics_host}:{settings.metrics_port}"):
+                    port = await endpoint.start(settings.metrics_host, settings.metrics_port)
+            except OSError:
+                # What started must stop on this loop, or gRPC's shutdown runs
+                # when the loop is gone ("Event loop is closed").
+                await self._shut_down()
+                raise
+            self.metrics_port = port
             self._metrics_endpoint = endpoint
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -245,6 +253,7 @@ class Server:
             log.info("health only, plaintext, on %s:%d", settings.health_host, self.health_port)
         if tokens is not None and credentials is None:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
+        exposure.warn_if_open(settings.host, tls=credentials is not None, tokens=bool(tokens))
 
     def _health_only_server(self) -> grpc.aio.Server:
         """The same health service on a plaintext port of its own, and nothing
@@ -370,8 +379,16 @@ def _bind_errors(what: str, address: str) -> Iterator[None]:
     """gRPC's bind failure (a RuntimeError, or port 0) as the OSError `handoff serve` reports."""
     try:
         yield
-    except RuntimeError as error:
+    except (RuntimeError, OSError) as error:
+        flags = BIND_FLAGS[what]
         raise OSError(
             f"cannot bind {what} on {address}: in use by another process (a second "
-            "coordinator?), or not an address of this host"
+            f"coordinator?), or not an address of this host; change {flags}"
         ) from error
+
+
+BIND_FLAGS = {
+    "gRPC": "--host/--port",
+    "health": "--health-host/--health-port (-1: off)",
+    "metrics": "--metrics-host/--metrics-port (-1: off)",
+}

@@ -27,6 +27,7 @@ from handoff_server.domain.registry import CallResult, Registry
 from handoff_server.durability.journal import JournalFailed
 from handoff_server.ops.metrics import Metrics
 from handoff_server.service import convert, security
+from handoff_server.service.newcomers import Newcomers
 from handoff_server.service.shards import Misrouted, Shards
 
 log = logging.getLogger("handoff.servicer")
@@ -90,6 +91,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self._durable = durable
         self.subscription_headers = tuple(subscription_headers)
         self._engine_incarnation = engine_incarnation
+        self.newcomers = Newcomers(registry.settings, metrics)
 
     async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Wait until every accepted call so far is durable; a broken journal ends the call."""
@@ -143,7 +145,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             start = convert.start_request(request)
             if trace := _trace_context(context):
                 start = dataclasses.replace(start, trace_context=trace)
-            self.shards.check_start(start.handoff_id, start.handoff_id in self.registry.handoffs)
+            known = start.handoff_id in self.registry.handoffs
+            self.shards.check_start(start.handoff_id, known)
+            if not known:
+                self.newcomers.check_start((start.source_engine_id, start.destination_engine_id))
             result = self.registry.start(start)
             answer = Answer.of(result)
         except Exception as error:
@@ -278,6 +283,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         )
         if incarnation:
             self._engine_incarnation(subscription.engine_id, incarnation)
+        self.newcomers.subscribed(subscription.engine_id)
         return subscription
 
     def _heartbeat(self, asked: bool, ready: asyncio.Event) -> Heartbeat | None:

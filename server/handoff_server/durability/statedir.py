@@ -1,0 +1,53 @@
+"""The state dir checked before the journal opens it, each failure naming --state-dir.
+
+A bare ``[Errno 20] Not a directory`` says nothing of which setting to fix,
+and creating a mistyped path with all its parents would start the server
+empty and report "recovered 0 handoffs" as if that were the journal. So the
+state dir must be a directory, or a new one whose parent exists; it is
+created only then, and that is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("handoff.journal")
+
+FIX = "fix --state-dir (HANDOFF_STATE_DIR)"
+
+
+def prepare(state_dir: Path) -> str | None:
+    """Make ``state_dir`` a usable directory, creating it (one level) if new;
+    what is wrong with it otherwise, naming the setting."""
+    if state_dir.exists() and not state_dir.is_dir():
+        return f"--state-dir {state_dir} is a file, not a directory: {FIX}"
+    if not state_dir.exists():
+        parent = state_dir.parent
+        if not parent.is_dir():
+            return (
+                f"--state-dir {state_dir}: its parent {parent} does not exist (a typo?); "
+                f"create it first, or {FIX}"
+            )
+        try:
+            state_dir.mkdir()
+        except OSError as error:
+            return (
+                f"--state-dir {state_dir} cannot be created ({error.strerror}): make "
+                f"{parent} writable by uid {os.geteuid()}, or {FIX}"
+            )
+        log.warning(
+            "state dir %s did not exist: created it, and the server starts with no "
+            "handoffs; if a journal should be here, check --state-dir",
+            state_dir,
+        )
+    return None
+
+
+def unwritable(state_dir: Path, error: OSError) -> str:
+    """What to say when a file cannot be made in an existing state dir."""
+    return (
+        f"--state-dir {state_dir} is not writable ({error.strerror}): make it writable by "
+        f"uid {os.geteuid()}, or {FIX}"
+    )
