@@ -70,6 +70,7 @@ class StandIn:
         self.bodies: list[dict[str, Any]] = []
         self.request_ids: list[str | None] = []
         self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.arrivals: asyncio.Queue[str] = asyncio.Queue()  # each leg's handoff id, as it came
         self.closed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)  # leg cut off
         self.freed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.completions: defaultdict[str, asyncio.Queue[Completion | None]] = defaultdict(
@@ -129,6 +130,7 @@ class StandIn:
         key = params.get("handoff_id") or request.headers.get("X-Request-Id") or ""
         try:
             self.arrived[key].set()
+            self.arrivals.put_nowait(key)
             return await self.answer(request, body, params, key)
         except asyncio.CancelledError:
             self.closed[key].set()

@@ -17,7 +17,7 @@ from handoff_client import Completion
 from handoff_proxy.flow import Endpoint
 from handoff_server.app import Server
 from tests.conftest import free_port
-from tests.proxy_support import TIMEOUT_S, Rig, rig, sse_events
+from tests.proxy_support import TIMEOUT_S, rig, sse_events
 
 PROMPT = {"model": "tiny", "prompt": "The KV moves", "max_tokens": 8, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
@@ -52,7 +52,9 @@ def streamed_text(endpoint: Endpoint, events: list[Any]) -> str:
         if event == "[DONE]":
             continue
         choice = event["choices"][0]
-        parts.append(choice["text"] if endpoint is Endpoint.COMPLETIONS else choice["delta"]["content"])
+        parts.append(
+            choice["text"] if endpoint is Endpoint.COMPLETIONS else choice["delta"]["content"]
+        )
     return "".join(parts)
 
 
@@ -77,7 +79,8 @@ async def test_a_request_runs_one_handoff_through_both_legs(
         assert text == "Tokens decoded after prefill-0"
         # The prefill leg: one token, not streamed, asking for a remote decode.
         sent = prefill.bodies[0]
-        assert sent["max_tokens"] == 1 and sent["stream"] is False
+        assert sent["max_tokens"] == 1
+        assert sent["stream"] is False
         assert "stream_options" not in sent
         if endpoint is Endpoint.CHAT:
             assert sent["max_completion_tokens"] == 1
@@ -102,3 +105,152 @@ async def test_a_request_runs_one_handoff_through_both_legs(
         handoff = await proxy.client.get_handoff(handoff_id)
         assert handoff.source_engine_id == "prefill-0"
         assert handoff.destination_engine_id == "decode-0"
+
+
+async def post_in_background(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> asyncio.Task[tuple[int, str]]:
+    async def post() -> tuple[int, str]:
+        async with http.post(url, json=body) as response:
+            return response.status, await response.text()
+
+    return asyncio.create_task(post())
+
+
+async def test_a_client_gone_during_the_prefill_cancels_the_handoff_and_closes_the_leg(
+    lean_server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="handoff.proxy")
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        prefill = proxy.prefills[0]
+        prefill.hang = True
+        session = aiohttp.ClientSession()
+        request = await post_in_background(session, proxy.url + "/v1/completions", PROMPT)
+        handoff_id = await prefill.arrivals.get()
+        request.cancel()
+        await session.close()  # the client is gone
+        await prefill.closed[handoff_id].wait()  # the proxy closed the prefill leg
+        await prefill.ended(handoff_id, Completion.CANCELED)
+        assert prefill.freed[handoff_id].is_set()  # CancelSource
+    reasons = [r.getMessage() for r in caplog.records if getattr(r, "handoff_id", "") == handoff_id]
+    assert "handoff proxy: client disconnected during the prefill leg" in reasons
+
+
+async def test_a_client_gone_during_the_decode_cancels_the_handoff_and_closes_the_leg(
+    lean_server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="handoff.proxy")
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        decode = proxy.decodes[0]
+        decode.stall = True
+        session = aiohttp.ClientSession()
+        response = await session.post(
+            proxy.url + "/v1/completions", json=request_for(Endpoint.COMPLETIONS, True)
+        )
+        assert response.status == 200
+        handoff_id = response.headers["X-Request-Id"]
+        assert b"Tokens" in await response.content.readany()  # the first token came through
+        await decode.streaming[handoff_id].wait()
+        response.close()
+        await session.close()  # the client is gone mid-stream
+        await decode.closed[handoff_id].wait()  # the proxy closed the decode leg
+        # Activated, so the handoff had succeeded: the cancel reopens it and frees the decode.
+        await decode.ended(handoff_id, Completion.CANCELED)
+        assert decode.freed[handoff_id].is_set()  # CancelDestination
+    reasons = [r.getMessage() for r in caplog.records if getattr(r, "handoff_id", "") == handoff_id]
+    assert "handoff proxy: client disconnected during the decode leg" in reasons
+
+
+async def test_a_prefill_that_fails_is_a_502_naming_the_leg_the_engine_and_the_handoff(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        prefill, decode = proxy.prefills[0], proxy.decodes[0]
+        prefill.fail_status = 500
+        async with http.post(proxy.url + "/v1/completions", json=PROMPT) as response:
+            assert response.status == 502
+            error = (await response.json())["error"]
+        handoff_id = error["handoff_id"]
+        assert error["leg"] == "prefill"
+        assert error["engine_id"] == "prefill-0"
+        assert error["type"] == "bad_gateway"
+        assert error["code"] == 502
+        message = error["message"]
+        for needle in ("prefill leg", "prefill-0", handoff_id, "HTTP 500", "out of KV blocks"):
+            assert needle in message
+        assert not decode.bodies  # no decode leg
+        # The proxy reported the failure: the handoff is canceled, the prefill freed.
+        await prefill.ended(handoff_id, Completion.CANCELED)
+        assert prefill.freed[handoff_id].is_set()
+
+
+async def test_a_prefill_nobody_listens_on_is_a_502_naming_it(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        await proxy.prefills[0].stop()  # its sidecar and its HTTP server are gone
+        async with http.post(proxy.url + "/v1/completions", json=PROMPT) as response:
+            assert response.status == 502
+            error = (await response.json())["error"]
+        assert error["leg"] == "prefill"
+        assert error["engine_id"] == "prefill-0"
+        assert "could not be reached" in error["message"]
+
+
+async def test_without_a_coordinator_requests_fail_fast_with_503(
+    http: aiohttp.ClientSession,
+) -> None:
+    nobody = f"127.0.0.1:{free_port()}"
+    async with asyncio.timeout(TIMEOUT_S), rig(nobody, register=False) as proxy:
+        for _ in range(2):  # the second as fast as the first: nothing queues up
+            began = time.monotonic()
+            async with http.post(proxy.url + "/v1/completions", json=PROMPT) as response:
+                assert response.status == 503
+                assert response.headers["Retry-After"] == "1"
+                error = (await response.json())["error"]
+            assert time.monotonic() - began < 3.0  # --coordinator-retry-s 1 and a refused port
+            assert error["leg"] == "start"
+            assert error["type"] == "service_unavailable"
+            assert nobody in error["message"]
+            assert "--coordinator" in error["message"]
+            assert error["handoff_id"] in error["message"]
+        assert not proxy.prefills[0].bodies  # no leg was sent without a handoff
+
+
+async def test_a_handoff_past_its_deadline_is_a_504_and_its_open_leg_is_closed(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server), deadline_s=0.5) as proxy:
+        decode = proxy.decodes[0]
+        decode.hold = True  # never reserves: the decode waits for an activation that never comes
+        async with http.post(proxy.url + "/v1/completions", json=PROMPT) as response:
+            assert response.status == 504
+            error = (await response.json())["error"]
+        handoff_id = error["handoff_id"]
+        assert error["leg"] == "decode"
+        assert error["engine_id"] == "decode-0"
+        assert "deadline" in error["message"]
+        assert "--deadline-s" in error["message"]
+        await decode.closed[handoff_id].wait()
+        await decode.ended(handoff_id, Completion.CANCELED)
+
+
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_handoff_canceled_on_the_coordinator_closes_the_open_leg(
+    lean_server: Server, http: aiohttp.ClientSession, leg: str
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        prefill, decode = proxy.prefills[0], proxy.decodes[0]
+        engine = prefill if leg == "prefill" else decode
+        prefill.hang = leg == "prefill"
+        decode.hold = leg == "decode"
+        request = await post_in_background(http, proxy.url + "/v1/completions", PROMPT)
+        handoff_id = await engine.arrivals.get()
+        assert proxy.client is not None
+        await proxy.client.cancel(handoff_id, "an operator canceled it")
+        status, text = await request
+        assert status == 502, text
+        assert f"canceled on the coordinator during the {leg} leg" in text
+        assert handoff_id in text
+        assert engine.engine_id in text
+        await engine.closed[handoff_id].wait()
