@@ -5,6 +5,7 @@ vLLM's two P/D legs over HTTP, reporting as real SDK engines; not vLLM, which
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,8 +15,11 @@ import aiohttp
 import pytest
 
 from handoff_client import Completion
+from handoff_proxy.config import EngineAddress
 from handoff_proxy.flow import Endpoint
+from handoff_proxy.pairs import NoEngineError, Pool
 from handoff_server.app import Server
+from handoff_server.cli import main
 from tests.conftest import free_port
 from tests.proxy_support import TIMEOUT_S, rig, sse_events
 
@@ -254,3 +258,202 @@ async def test_a_handoff_canceled_on_the_coordinator_closes_the_open_leg(
         assert handoff_id in text
         assert engine.engine_id in text
         await engine.closed[handoff_id].wait()
+
+
+def test_each_side_goes_to_its_engine_with_the_fewest_requests_in_flight() -> None:
+    prefill = tuple(EngineAddress(f"prefill-{n}", f"http://p{n}:1") for n in range(3))
+    decode = tuple(EngineAddress(f"decode-{n}", f"http://d{n}:1") for n in range(2))
+    pool = Pool(prefill, decode, max_in_flight=2)
+    first = pool.pick()
+    assert [lease.engine.engine_id for lease in first] == ["prefill-0", "decode-0"]
+    second = pool.pick()  # ties go to the engine given first
+    assert [lease.engine.engine_id for lease in second] == ["prefill-1", "decode-1"]
+    first[0].end()
+    first[0].end()  # a lease is given back once
+    third = pool.pick()
+    assert [lease.engine.engine_id for lease in third] == ["prefill-0", "decode-0"]
+    pool.pick()
+    with pytest.raises(NoEngineError, match=r"no decode engine free.*--max-in-flight"):
+        pool.pick()  # both decodes have 2 in flight
+    assert [engine.in_flight for engine in pool.prefill] == [1, 1, 1]  # none taken by it
+
+
+async def test_a_request_goes_to_the_engines_with_the_fewest_in_flight(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        rig(coordinator(lean_server), prefills=2, decodes=2, max_in_flight=1) as proxy,
+    ):
+        url = proxy.url + "/v1/completions"
+        for decode in proxy.decodes:
+            decode.stall = True
+        # The first request stays in its decode leg on decode-0; its prefill leg is over.
+        first = await http.post(url, json=request_for(Endpoint.COMPLETIONS, True))
+        first_id = first.headers["X-Request-Id"]
+        await proxy.decodes[0].streaming[first_id].wait()
+        second = await http.post(url, json=request_for(Endpoint.COMPLETIONS, True))
+        second_id = second.headers["X-Request-Id"]
+        await proxy.decodes[1].streaming[second_id].wait()
+        assert proxy.client is not None
+        handoff = await proxy.client.get_handoff(second_id)
+        assert handoff.source_engine_id == "prefill-0"  # free again: ties to the first given
+        assert handoff.destination_engine_id == "decode-1"  # decode-0 has one in flight
+        # Both decodes at --max-in-flight 1: no pair, 503, and no handoff started.
+        async with http.post(url, json=PROMPT) as refused:
+            assert refused.status == 503
+            error = (await refused.json())["error"]
+        assert "no decode engine free" in error["message"]
+        assert "handoff_id" not in error
+        first.close()
+        second.close()
+        await proxy.decodes[0].closed[first_id].wait()
+        await proxy.decodes[1].closed[second_id].wait()
+
+
+async def test_many_requests_at_once_each_run_their_own_handoff(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        rig(coordinator(lean_server), prefills=2, decodes=2) as proxy,
+    ):
+
+        async def one(n: int) -> str:
+            endpoint = list(Endpoint)[n % 2]
+            stream = n % 3 == 0
+            async with http.post(
+                proxy.url + endpoint.value, json=request_for(endpoint, stream)
+            ) as response:
+                assert response.status == 200
+                if stream:
+                    text = streamed_text(endpoint, sse_events(await response.text()))
+                else:
+                    text = text_of(endpoint, await response.json())
+                assert text.startswith("Tokens decoded after prefill-")
+                return response.headers["X-Request-Id"]
+
+        handoff_ids = await asyncio.gather(*(one(n) for n in range(24)))
+        assert len(set(handoff_ids)) == 24
+        for handoff_id in handoff_ids:
+            decode = next(d for d in proxy.decodes if handoff_id in d.arrived)
+            await decode.ended(handoff_id, Completion.SUCCESS)
+        # Spread over both pairs, and nothing left counted in flight.
+        assert all(engine.bodies for engine in [*proxy.prefills, *proxy.decodes])
+        pool = proxy.proxy.services.pool
+        assert [e.in_flight for e in [*pool.prefill, *pool.decode]] == [0, 0, 0, 0]
+
+
+async def test_metrics_are_named_handoff_proxy_and_count_what_happened(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        async with http.post(proxy.url + "/v1/completions", json=PROMPT) as response:
+            assert response.status == 200
+        proxy.prefills[0].fail_status = 500
+        async with http.post(proxy.url + "/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 502
+        async with http.get(proxy.url + "/metrics") as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain")
+            exposition = await response.text()
+    names = {line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE ")}
+    assert all(name.startswith("handoff_proxy_") for name in names)
+    assert {
+        "handoff_proxy_requests_total",
+        "handoff_proxy_requests_in_flight",
+        "handoff_proxy_engine_requests_in_flight",
+        "handoff_proxy_failures_total",
+        "handoff_proxy_client_disconnects_total",
+        "handoff_proxy_request_duration_seconds",
+        "handoff_proxy_time_to_first_byte_seconds",
+        "handoff_proxy_leg_duration_seconds",
+        "handoff_proxy_coordinator_errors_total",
+        "handoff_proxy_polls_total",
+    } <= names
+    assert 'handoff_proxy_requests_total{code="200",endpoint="completions"} 1.0' in exposition
+    assert 'handoff_proxy_requests_total{code="502",endpoint="chat_completions"} 1.0' in exposition
+    assert 'handoff_proxy_failures_total{leg="prefill",why="engine_error"} 1.0' in exposition
+    assert 'handoff_proxy_engine_requests_in_flight{engine="decode-0",role="decode"} 0.0' in (
+        exposition
+    )
+
+
+async def test_health_says_what_the_proxy_fronts(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        rig(coordinator(lean_server)) as proxy,
+        http.get(proxy.url + "/health") as response,
+    ):
+        assert response.status == 200
+        health = await response.json()
+    assert health == {
+        "status": "ok",
+        "coordinator": coordinator(lean_server),
+        "prefill": ["prefill-0"],
+        "decode": ["decode-0"],
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_without_the_coordinator_the_two_legs_are_plain_vllm_p_d(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(None) as proxy:
+        body = request_for(Endpoint.COMPLETIONS, stream) | {"max_tokens": 3}
+        async with http.post(
+            proxy.url + "/v1/completions", json=body, headers={"X-Request-Id": "req-7"}
+        ) as response:
+            assert response.status == 200
+            assert response.headers["X-Request-Id"] == "req-7"
+            raw = await response.text()
+        text = (
+            streamed_text(Endpoint.COMPLETIONS, sse_events(raw))
+            if stream
+            else text_of(Endpoint.COMPLETIONS, json.loads(raw))
+        )
+        assert text == "Tokens decoded after prefill-0"
+        prefill, decode = proxy.prefills[0], proxy.decodes[0]
+        assert "handoff_id" not in prefill.bodies[0]["kv_transfer_params"]
+        assert decode.bodies[0]["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
+        assert "handoff_id" not in decode.bodies[0]["kv_transfer_params"]
+        assert decode.bodies[0]["max_tokens"] == 3
+        assert prefill.request_ids == decode.request_ids == ["req-7"]
+
+
+def test_proxy_help_explains_itself_in_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["proxy", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for needle in ("engines:", "coordinator:", "TLS and tokens:", "--prefill ENGINE_ID=URL"):
+        assert needle in out
+    assert "docs/proxy.md" in out
+
+
+ENGINES = ["--prefill", "p=http://x:1", "--decode", "d=http://y:2"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        ([], "--prefill: give at least one ENGINE_ID=URL"),
+        (["--prefill", "p", "--decode", "d=http://y:2"], "--prefill: 'p' is not ENGINE_ID=URL"),
+        (["--prefill", "p=ftp://x", *ENGINES[2:]], "--prefill: 'ftp://x' is not an http"),
+        ([*ENGINES, "--decode", "d=http://z:3"], "--decode: engine id 'd' is given twice"),
+        ([*ENGINES, "--deadline-s", "soon"], "--deadline-s: 'soon' is not a number"),
+        ([*ENGINES, "--poll-interval-s", "0"], "--poll-interval-s: must be > 0"),
+        ([*ENGINES, "--port", "70000"], "--port: must be between 0 and 65535"),
+        ([*ENGINES, "--coordinator", "nowhere"], "--coordinator: 'nowhere' is not HOST:PORT"),
+        ([*ENGINES, "--tls-client-key", "k.pem"], "--tls-client-key: needs --tls-client-cert"),
+    ],
+)
+def test_a_bad_value_is_one_line_naming_its_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
+) -> None:
+    assert main(["proxy", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"handoff proxy: {line}")
+    assert len(err.splitlines()) == 1
