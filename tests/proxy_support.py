@@ -19,7 +19,7 @@ import contextlib
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -279,8 +279,24 @@ class Rig:
     prefills: list[StandInPrefill]
     decodes: list[StandInDecode]
     proxy: Proxy
-    url: str = ""
-    extras: list[Any] = field(default_factory=list)
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def standins(
+    client: HandoffClient | None, prefills: int = 1, decodes: int = 1
+) -> AsyncIterator[tuple[list[StandInPrefill], list[StandInDecode]]]:
+    """Stand-in engines on free ports, reporting through ``client`` (None: no sidecars)."""
+    prefill = [StandInPrefill(f"prefill-{n}") for n in range(prefills)]
+    decode = [StandInDecode(f"decode-{n}") for n in range(decodes)]
+    engines: list[StandIn] = [*prefill, *decode]
+    try:
+        for engine in engines:
+            await engine.start(client)
+        yield prefill, decode
+    finally:
+        for engine in engines:
+            await engine.stop()
 
 
 @contextlib.asynccontextmanager
@@ -294,34 +310,29 @@ async def rig(
 ) -> AsyncIterator[Rig]:
     """Stand-ins (reporting to ``coordinator`` if ``register``) and a proxy on free ports."""
     client = None if coordinator is None else HandoffClient(coordinator, timeout_s=TIMEOUT_S)
-    prefill = [StandInPrefill(f"prefill-{n}") for n in range(prefills)]
-    decode = [StandInDecode(f"decode-{n}") for n in range(decodes)]
-    engines: list[StandIn] = [*prefill, *decode]
-    proxy: Proxy | None = None
     try:
-        for engine in engines:
-            await engine.start(client if register else None)
-        settings: dict[str, Any] = {
-            "port": 0,
-            "coordinator": coordinator or "127.0.0.1:1",
-            "use_coordinator": coordinator is not None,
-            "poll_interval_s": 0.05,
-            "deadline_s": 10.0,
-        } | config
-        proxy = Proxy(
-            ProxyConfig(
-                prefill=tuple(e.address() for e in prefill),
-                decode=tuple(e.address() for e in decode),
-                **settings,
+        async with standins(client if register else None, prefills, decodes) as (prefill, decode):
+            settings: dict[str, Any] = {
+                "port": 0,
+                "coordinator": coordinator or "127.0.0.1:1",
+                "use_coordinator": coordinator is not None,
+                "poll_interval_s": 0.05,
+                "deadline_s": 10.0,
+                "drain_grace_s": 0.5,
+            } | config
+            proxy = Proxy(
+                ProxyConfig(
+                    prefill=tuple(e.address() for e in prefill),
+                    decode=tuple(e.address() for e in decode),
+                    **settings,
+                )
             )
-        )
-        await proxy.start()
-        yield Rig(client, prefill, decode, proxy, f"http://127.0.0.1:{proxy.port}")
+            await proxy.start()
+            try:
+                yield Rig(client, prefill, decode, proxy, f"http://127.0.0.1:{proxy.port}")
+            finally:
+                await proxy.stop()
     finally:
-        if proxy is not None:
-            await proxy.stop()
-        for engine in engines:
-            await engine.stop()
         if client is not None:
             await client.close()
 

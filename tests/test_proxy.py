@@ -457,3 +457,22 @@ def test_a_bad_value_is_one_line_naming_its_flag(
     err = capsys.readouterr().err
     assert err.startswith(f"handoff proxy: {line}")
     assert len(err.splitlines()) == 1
+
+
+async def test_a_proxy_stopping_cuts_off_what_is_left_and_cancels_its_handoffs(
+    lean_server: Server, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="handoff.proxy")
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server), drain_grace_s=0) as proxy:
+        prefill = proxy.prefills[0]
+        prefill.hang = True
+        request = await post_in_background(http, proxy.url + "/v1/completions", PROMPT)
+        handoff_id = await prefill.arrivals.get()
+        await proxy.proxy.stop()  # as on SIGTERM, with nothing left to wait for
+        with pytest.raises(aiohttp.ClientError):
+            await request
+        await prefill.closed[handoff_id].wait()
+        # Reported before stop() returned: the cancels are drained before the client closes.
+        await prefill.ended(handoff_id, Completion.CANCELED)
+    reasons = [r.getMessage() for r in caplog.records if getattr(r, "handoff_id", "") == handoff_id]
+    assert "handoff proxy: the proxy is shutting down during the prefill leg" in reasons

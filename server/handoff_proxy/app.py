@@ -118,9 +118,13 @@ async def _serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
     except ProxyError as error:
         request[CODE] = error.status
         return error_response(error)
-    except (asyncio.CancelledError, ClientGone):
+    except asyncio.CancelledError:
         request[CODE] = GONE
         raise
+    except Exception as error:  # a bug of ours: still an OpenAI-style body, and logged
+        log.exception("request failed in the proxy")
+        request[CODE] = 500
+        return error_response(ProxyError(500, f"handoff proxy: internal error: {error!r}"))
     finally:
         metrics.in_flight.dec()
         metrics.requests.labels(endpoint.label, str(request[CODE])).inc()
@@ -177,6 +181,10 @@ async def _answer(
             with contextlib.suppress(ConnectionError):
                 await stream.write_eof()
             return stream
+    except ClientGone:
+        assert stream is not None  # raised only once the answer was under way
+        request[CODE_OVERRIDE] = GONE
+        return stream
     except ProxyError as error:
         if stream is None or not stream.prepared:
             raise
@@ -235,8 +243,15 @@ class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.app = build(config)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            # aiohttp reads 0 as "wait for ever": a moment is as good as none.
+            shutdown_timeout=max(config.drain_grace_s, 0.001),
+        )
         self.port = config.port
+        self._stopped = False
 
     @property
     def services(self) -> Services:
@@ -246,10 +261,7 @@ class Proxy:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
-        server = site._server  # the bound socket's port, for --port 0
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the one bound, for --port 0
         mode = "under coordinator " + self.config.coordinator
         if not self.config.use_coordinator:
             mode = "without a coordinator (--no-coordinator)"
@@ -263,7 +275,10 @@ class Proxy:
         )
 
     async def stop(self) -> None:
-        await self._runner.cleanup()
+        """Stop listening, give requests in flight ``--drain-grace-s``, cut off the rest."""
+        if not self._stopped:
+            self._stopped = True
+            await self._runner.cleanup()
 
 
 def run(config: ProxyConfig) -> int:

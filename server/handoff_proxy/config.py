@@ -46,6 +46,7 @@ class ProxyConfig:
     connect_timeout_s: float = 5.0
     max_in_flight: int = 0  # per engine; 0: no limit
     max_body_bytes: int = 16 * 1024 * 1024
+    drain_grace_s: float = 10.0
     log_format: str = "text"
     log_level: str = "info"
     security: SecurityOptions = field(
@@ -111,6 +112,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=str(DEFAULTS.max_body_bytes),
         metavar="N",
         help="largest request body accepted (413 above)",
+    )
+    http.add_argument(
+        "--drain-grace-s",
+        default=str(DEFAULTS.drain_grace_s),
+        metavar="S",
+        help="on SIGTERM or SIGINT, how long requests in flight may take to finish; the "
+        "rest are cut off and their handoffs canceled",
     )
     coordinator = parser.add_argument_group("coordinator")
     coordinator.add_argument(
@@ -202,6 +210,7 @@ def from_arguments(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout_s=seconds("--connect-timeout-s", args.connect_timeout_s),
         max_in_flight=integer("--max-in-flight", args.max_in_flight, low=0),
         max_body_bytes=integer("--max-body-bytes", args.max_body_bytes, low=1),
+        drain_grace_s=seconds("--drain-grace-s", args.drain_grace_s, zero=True),
         log_format=args.log_format,
         log_level=args.log_level,
         security=security,
