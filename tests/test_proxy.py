@@ -7,21 +7,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from handoff_client import Completion
+from handoff_client import Completion, HandoffClient
 from handoff_proxy.config import EngineAddress
 from handoff_proxy.flow import Endpoint
 from handoff_proxy.pairs import NoEngineError, Pool
 from handoff_server.app import Server
 from handoff_server.cli import main
-from tests.conftest import free_port
-from tests.proxy_support import TIMEOUT_S, rig, sse_events
+from tests.conftest import StartServer, free_port
+from tests.proxy_support import TIMEOUT_S, rig, sse_events, standins
+from tests.security_support import make_pki
 
 PROMPT = {"model": "tiny", "prompt": "The KV moves", "max_tokens": 8, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
@@ -476,3 +479,76 @@ async def test_a_proxy_stopping_cuts_off_what_is_left_and_cancels_its_handoffs(
         await prefill.ended(handoff_id, Completion.CANCELED)
     reasons = [r.getMessage() for r in caplog.records if getattr(r, "handoff_id", "") == handoff_id]
     assert "handoff proxy: the proxy is shutting down during the prefill leg" in reasons
+
+
+TOKEN = "proxy-test-token-0123456789"
+
+
+async def proxy_process(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
+    """``handoff proxy`` as a process on a free port, once it says where it listens."""
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "handoff_server.cli", "proxy", "--port", "0"),
+        *("--log-format", "json", *flags),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    async for line in process.stderr:
+        record = json.loads(line)
+        if record["message"].startswith("handoff proxy on http://"):
+            return process, record["message"].split()[3]
+    raise AssertionError(f"handoff proxy exited with {await process.wait()} before listening")
+
+
+async def test_the_command_reaches_a_coordinator_over_mutual_tls_with_a_token(
+    start_lean_server: StartServer, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    pki = make_pki(tmp_path)
+    server = await start_lean_server(**pki.tls_settings(mutual=True), tokens=TOKEN)
+    target = f"127.0.0.1:{server.port}"
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    engines = HandoffClient(
+        target,
+        tls_root_cert=pki.ca.cert_path,
+        tls_client_cert=pki.client.cert_path,
+        tls_client_key=pki.client.key_path,
+        token=TOKEN,
+    )
+    async with asyncio.timeout(TIMEOUT_S), engines, standins(engines) as (prefills, decodes):
+        process, url = await proxy_process(
+            *("--coordinator", target, "--poll-interval-s", "0.05"),
+            *(
+                "--prefill",
+                f"prefill-0={prefills[0].url}",
+                "--decode",
+                f"decode-0={decodes[0].url}",
+            ),
+            *(f"--tls-root-cert={pki.ca.cert_path}", f"--tls-client-cert={pki.client.cert_path}"),
+            *(f"--tls-client-key={pki.client.key_path}", f"--token-file={token_file}"),
+        )
+        try:
+            async with http.post(url + "/v1/completions", json=PROMPT) as response:
+                assert response.status == 200, await response.text()
+                handoff_id = response.headers["X-Request-Id"]
+            await decodes[0].ended(handoff_id, Completion.SUCCESS)
+        finally:
+            process.terminate()
+            assert await process.wait() == 0  # SIGTERM: drained, stopped cleanly
+        # Without the token the coordinator refuses, and the proxy says which flag fixes it.
+        process, url = await proxy_process(
+            *("--coordinator", target, "--prefill", f"prefill-0={prefills[0].url}"),
+            *("--decode", f"decode-0={decodes[0].url}", f"--tls-root-cert={pki.ca.cert_path}"),
+            *(
+                f"--tls-client-cert={pki.client.cert_path}",
+                f"--tls-client-key={pki.client.key_path}",
+            ),
+        )
+        try:
+            async with http.post(url + "/v1/completions", json=PROMPT) as response:
+                assert response.status == 503
+                error = (await response.json())["error"]
+            assert "--token-file" in error["message"]
+        finally:
+            process.terminate()
+            assert await process.wait() == 0
