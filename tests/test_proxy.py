@@ -482,6 +482,7 @@ async def test_a_proxy_stopping_cuts_off_what_is_left_and_cancels_its_handoffs(
 
 
 TOKEN = "proxy-test-token-0123456789"
+PROCESS_TIMEOUT_S = 60.0  # two Python processes start, on a machine that may be busy
 
 
 async def proxy_process(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
@@ -515,7 +516,11 @@ async def test_the_command_reaches_a_coordinator_over_mutual_tls_with_a_token(
         tls_client_key=pki.client.key_path,
         token=TOKEN,
     )
-    async with asyncio.timeout(TIMEOUT_S), engines, standins(engines) as (prefills, decodes):
+    async with (
+        asyncio.timeout(PROCESS_TIMEOUT_S),
+        engines,
+        standins(engines) as (prefills, decodes),
+    ):
         process, url = await proxy_process(
             *("--coordinator", target, "--poll-interval-s", "0.05"),
             *(
