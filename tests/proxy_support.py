@@ -80,6 +80,7 @@ class StandIn:
         self._runner: web.AppRunner | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.sidecar: EngineSidecar | None = None
+        self._client: HandoffClient | None = None
 
     def address(self) -> EngineAddress:
         return EngineAddress(self.engine_id, self.url)
@@ -95,6 +96,7 @@ class StandIn:
         app.router.add_post("/v1/chat/completions", self._leg)
         self._runner, port = await serve_app(app)
         self.url = f"http://127.0.0.1:{port}"
+        self._client = client
         if client is not None:
             self.sidecar = EngineSidecar(
                 client, self.engine_id, self.handlers(), reconnect_backoff=QUICK
@@ -105,6 +107,19 @@ class StandIn:
 
     def handlers(self) -> SourceEngine | DestinationEngine:
         raise NotImplementedError
+
+    async def restart_sidecar(self) -> None:
+        """A new incarnation, as after the engine restarted: the old one's memory is lost."""
+        client = self._client
+        assert self.sidecar is not None
+        assert client is not None
+        await self.sidecar.__aexit__(None, None, None)
+        self.sidecar = EngineSidecar(
+            client, self.engine_id, self.handlers(), reconnect_backoff=QUICK
+        )
+        await self.sidecar.__aenter__()
+        async with asyncio.timeout(TIMEOUT_S):
+            await self.sidecar.wait_subscribed()
 
     async def stop(self) -> None:
         if self.sidecar is not None:
