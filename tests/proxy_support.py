@@ -69,6 +69,7 @@ class StandIn:
         self.engine_id = engine_id
         self.bodies: list[dict[str, Any]] = []
         self.request_ids: list[str | None] = []
+        self.authorizations: list[str | None] = []
         self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.arrivals: asyncio.Queue[str] = asyncio.Queue()  # each leg's handoff id, as it came
         self.closed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)  # leg cut off
@@ -141,6 +142,7 @@ class StandIn:
         body = await request.json()
         self.bodies.append(body)
         self.request_ids.append(request.headers.get("X-Request-Id"))
+        self.authorizations.append(request.headers.get("Authorization"))
         params = body.get("kv_transfer_params") or {}
         key = params.get("handoff_id") or request.headers.get("X-Request-Id") or ""
         try:

@@ -106,6 +106,7 @@ async def test_a_request_runs_one_handoff_through_both_legs(
         assert decoded["kv_transfer_params"]["remote_engine_id"] == "prefill-0"
         assert decoded["kv_transfer_params"]["handoff_id"] == handoff_id
         assert prefill.request_ids == decode.request_ids == [handoff_id]
+        assert prefill.authorizations == decode.authorizations == [None]
         await decode.ended(handoff_id, Completion.SUCCESS)
         assert prefill.freed[handoff_id].is_set()  # ReleaseSource
         assert proxy.client is not None
@@ -407,7 +408,9 @@ async def test_without_the_coordinator_the_two_legs_are_plain_vllm_p_d(
     async with asyncio.timeout(TIMEOUT_S), rig(None) as proxy:
         body = request_for(Endpoint.COMPLETIONS, stream) | {"max_tokens": 3}
         async with http.post(
-            proxy.url + "/v1/completions", json=body, headers={"X-Request-Id": "req-7"}
+            proxy.url + "/v1/completions",
+            json=body,
+            headers={"X-Request-Id": "req-7", "Authorization": "Bearer vllm-key"},
         ) as response:
             assert response.status == 200
             assert response.headers["X-Request-Id"] == "req-7"
@@ -424,6 +427,7 @@ async def test_without_the_coordinator_the_two_legs_are_plain_vllm_p_d(
         assert "handoff_id" not in decode.bodies[0]["kv_transfer_params"]
         assert decode.bodies[0]["max_tokens"] == 3
         assert prefill.request_ids == decode.request_ids == ["req-7"]
+        assert prefill.authorizations == decode.authorizations == ["Bearer vllm-key"]
 
 
 def test_proxy_help_explains_itself_in_groups(capsys: pytest.CaptureFixture[str]) -> None:

@@ -157,7 +157,13 @@ async def _answer(
     def first() -> None:
         metrics.first_byte.labels(endpoint.label).observe(time.monotonic() - began)
 
-    exchange = Exchange(services, endpoint, body, request.headers.get("X-Request-Id"))
+    exchange = Exchange(
+        services,
+        endpoint,
+        body,
+        request.headers.get("X-Request-Id"),
+        request.headers.get("Authorization"),
+    )
     stream: web.StreamResponse | None = None
     try:
         async with exchange:

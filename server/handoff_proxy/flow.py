@@ -10,7 +10,8 @@ with HandoffConnector):
   its ``handoff_id`` set to the handoff's.
 
 The handoff id travels in ``kv_transfer_params`` because vLLM rewrites the
-request id per instance. ``X-Request-Id`` is the client's, else the handoff id.
+request id per instance. ``X-Request-Id`` is the client's, else the handoff id;
+the client's ``Authorization`` goes to both engines (vLLM's ``--api-key``).
 
 How the proxy learns that the coordinator canceled a handoff (its deadline,
 an engine lost): while a leg is open it polls GetHandoff every
@@ -173,8 +174,10 @@ class Exchange:
         endpoint: Endpoint,
         body: dict[str, Any],
         request_id: str | None,
+        authorization: str | None = None,
     ) -> None:
         self.services = services
+        self.authorization = authorization
         self.config = services.config
         self.endpoint = endpoint
         self.body = body
@@ -475,7 +478,10 @@ class Exchange:
         return task.result()
 
     def _headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.request_id}
+        headers = {"X-Request-Id": self.request_id}
+        if self.authorization is not None:  # vLLM's --api-key: the client's key goes on
+            headers["Authorization"] = self.authorization
+        return headers
 
     def _engine_error(self, engine: Engine, what: str) -> ProxyError:
         return ProxyError(
