@@ -15,11 +15,14 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+import handoff_proxy
 from handoff_client import Completion, HandoffClient
 from handoff_proxy.config import EngineAddress
 from handoff_proxy.flow import Endpoint
-from handoff_proxy.pairs import NoEngineError, Pool
+from handoff_proxy.pairs import Lease, NoEngineError, Pool
 from handoff_server.app import Server
 from handoff_server.cli import main
 from tests.conftest import StartServer, free_port
@@ -579,3 +582,42 @@ async def test_an_engine_the_coordinator_lost_is_a_502_naming_it(
         assert error["engine_id"] == "decode-0"
         assert "it lost decode engine decode-0" in error["message"]
         await decode.closed[handoff_id].wait()
+
+
+def test_without_the_extra_the_command_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "handoff_proxy.app")
+    monkeypatch.delattr(handoff_proxy, "app")
+    with pytest.raises(SystemExit):
+        main(["--help"])  # the command list needs no aiohttp
+    assert "proxy" in capsys.readouterr().out
+    assert main(["proxy", *ENGINES]) == 2
+    assert capsys.readouterr().err == (
+        "handoff proxy: needs module 'aiohttp'; install it with: pip install 'handoff[proxy]'\n"
+    )
+
+
+@given(st.lists(st.integers(min_value=-1, max_value=7), max_size=60), st.integers(1, 4))
+def test_every_pick_takes_the_least_loaded_engine_first_given(
+    steps: list[int], engines: int
+) -> None:
+    """-1 picks a pair; n >= 0 ends the lease of the live request n (mod how many there are)."""
+    addresses = tuple(EngineAddress(f"e-{n}", f"http://e{n}:1") for n in range(engines))
+    pool = Pool(addresses, addresses)
+    live: list[tuple[Lease, Lease]] = []
+    for step in steps:
+        if step < 0 or not live:
+            loads = [[engine.in_flight for engine in side] for side in (pool.prefill, pool.decode)]
+            prefill, decode = pool.pick()
+            # The least loaded; of equals, the first given (index() finds the first).
+            assert prefill.engine is pool.prefill[loads[0].index(min(loads[0]))]
+            assert decode.engine is pool.decode[loads[1].index(min(loads[1]))]
+            live.append((prefill, decode))
+        else:
+            prefill, decode = live.pop(step % len(live))
+            prefill.end()
+            decode.end()
+        for side in (pool.prefill, pool.decode):  # every lease counted once, while it lives
+            assert sum(engine.in_flight for engine in side) == len(live)
