@@ -231,6 +231,9 @@ class StandInDecode(StandIn):
         self.streaming: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.hold = False  # never report DestinationReserved (the handoff waits)
         self.stall = False  # after the first token, wait until the leg is closed
+        # After the first token, once told to, drop the connection (a crash).
+        self.break_off = False
+        self.proceed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     def handlers(self) -> DestinationEngine:
         return self
@@ -280,6 +283,11 @@ class StandInDecode(StandIn):
                 {"index": 0, "delta": {"content": token}} if chat else {"index": 0, "text": token}
             )
             await stream.write(f"data: {json.dumps({'choices': [delta]})}\n\n".encode())
+            if index == 0 and self.break_off:
+                await self.proceed[key].wait()
+                assert request.transport is not None
+                request.transport.abort()
+                return stream
             if index == 0 and self.stall:
                 self.streaming[key].set()
                 await asyncio.Event().wait()

@@ -621,3 +621,28 @@ def test_every_pick_takes_the_least_loaded_engine_first_given(
             decode.end()
         for side in (pool.prefill, pool.decode):  # every lease counted once, while it lives
             assert sum(engine.in_flight for engine in side) == len(live)
+
+
+async def test_a_decode_that_breaks_off_its_stream_ends_it_with_an_error_event(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        decode = proxy.decodes[0]
+        decode.break_off = True
+        body = request_for(Endpoint.CHAT, True)
+        async with http.post(proxy.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200  # the headers went out with the first token
+            handoff_id = response.headers["X-Request-Id"]
+            first = await response.content.readany()
+            decode.proceed[handoff_id].set()
+            events = sse_events((first + await response.content.read()).decode())
+        assert events[0]["choices"][0]["delta"]["content"] == "Tokens"
+        error = events[-1]["error"]
+        assert error["leg"] == "decode"
+        assert error["engine_id"] == "decode-0"
+        assert error["handoff_id"] == handoff_id
+        assert "broke off its stream" in error["message"]
+        assert "[DONE]" not in events
+        # Reported as Failed: the handoff (a success by then) reopens and frees the decode.
+        await decode.ended(handoff_id, Completion.CANCELED)
+        assert decode.freed[handoff_id].is_set()
