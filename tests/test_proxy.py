@@ -646,3 +646,25 @@ async def test_a_decode_that_breaks_off_its_stream_ends_it_with_an_error_event(
         # Reported as Failed: the handoff (a success by then) reopens and frees the decode.
         await decode.ended(handoff_id, Completion.CANCELED)
         assert decode.freed[handoff_id].is_set()
+
+
+async def test_a_handoff_canceled_while_its_decode_streams_stops_the_stream(
+    lean_server: Server, http: aiohttp.ClientSession
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
+        decode = proxy.decodes[0]
+        decode.stall = True
+        body = request_for(Endpoint.COMPLETIONS, True)
+        async with http.post(proxy.url + "/v1/completions", json=body) as response:
+            handoff_id = response.headers["X-Request-Id"]
+            first = await response.content.readany()
+            await decode.ended(handoff_id, Completion.SUCCESS)  # activated, source released
+            assert proxy.client is not None
+            # Only the proxy can stop an activated decode: by closing its leg.
+            await proxy.client.cancel(handoff_id, "an operator canceled it")
+            events = sse_events((first + await response.content.read()).decode())
+        error = events[-1]["error"]
+        assert error["leg"] == "decode"
+        assert "canceled on the coordinator during the decode leg" in error["message"]
+        await decode.closed[handoff_id].wait()
+        await decode.ended(handoff_id, Completion.CANCELED)  # reopened, the decode freed
