@@ -217,6 +217,7 @@ class Exchange:
         try:
             self._leases = self.services.pool.pick()
         except NoEngineError as error:
+            self.services.metrics.failures.labels("start", "no_engine").inc()
             raise ProxyError(503, str(error), why="no_engine") from None
         self._gauge()
         return self
