@@ -128,48 +128,30 @@ async def post_in_background(
     return asyncio.create_task(post())
 
 
-async def test_a_client_gone_during_the_prefill_cancels_the_handoff_and_closes_the_leg(
-    lean_server: Server, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_client_gone_during_a_leg_cancels_the_handoff_and_closes_the_leg(
+    lean_server: Server, caplog: pytest.LogCaptureFixture, leg: str
 ) -> None:
     caplog.set_level(logging.INFO, logger="handoff.proxy")
     async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
-        prefill = proxy.prefills[0]
-        prefill.hang = True
+        prefill, decode = proxy.prefills[0], proxy.decodes[0]
+        engine = prefill if leg == "prefill" else decode
+        prefill.hang = leg == "prefill"  # the prefill never answers
+        decode.stall = leg == "decode"  # the decode streams its first token, then waits
         session = aiohttp.ClientSession()
-        request = await post_in_background(session, proxy.url + "/v1/completions", PROMPT)
-        handoff_id = await prefill.arrivals.get()
+        body = request_for(Endpoint.COMPLETIONS, True)
+        request = await post_in_background(session, proxy.url + "/v1/completions", body)
+        handoff_id = await engine.arrivals.get()
+        if leg == "decode":
+            await decode.streaming[handoff_id].wait()
         request.cancel()
         await session.close()  # the client is gone
-        await prefill.closed[handoff_id].wait()  # the proxy closed the prefill leg
-        await prefill.ended(handoff_id, Completion.CANCELED)
-        assert prefill.freed[handoff_id].is_set()  # CancelSource
+        await engine.closed[handoff_id].wait()  # the proxy closed that leg
+        # During the decode the handoff had succeeded: the cancel reopens it.
+        await engine.ended(handoff_id, Completion.CANCELED)
+        assert engine.freed[handoff_id].is_set()  # CancelSource, CancelDestination
     reasons = [r.getMessage() for r in caplog.records if getattr(r, "handoff_id", "") == handoff_id]
-    assert "handoff proxy: client disconnected during the prefill leg" in reasons
-
-
-async def test_a_client_gone_during_the_decode_cancels_the_handoff_and_closes_the_leg(
-    lean_server: Server, caplog: pytest.LogCaptureFixture
-) -> None:
-    caplog.set_level(logging.INFO, logger="handoff.proxy")
-    async with asyncio.timeout(TIMEOUT_S), rig(coordinator(lean_server)) as proxy:
-        decode = proxy.decodes[0]
-        decode.stall = True
-        session = aiohttp.ClientSession()
-        response = await session.post(
-            proxy.url + "/v1/completions", json=request_for(Endpoint.COMPLETIONS, True)
-        )
-        assert response.status == 200
-        handoff_id = response.headers["X-Request-Id"]
-        assert b"Tokens" in await response.content.readany()  # the first token came through
-        await decode.streaming[handoff_id].wait()
-        response.close()
-        await session.close()  # the client is gone mid-stream
-        await decode.closed[handoff_id].wait()  # the proxy closed the decode leg
-        # Activated, so the handoff had succeeded: the cancel reopens it and frees the decode.
-        await decode.ended(handoff_id, Completion.CANCELED)
-        assert decode.freed[handoff_id].is_set()  # CancelDestination
-    reasons = [r.getMessage() for r in caplog.records if getattr(r, "handoff_id", "") == handoff_id]
-    assert "handoff proxy: client disconnected during the decode leg" in reasons
+    assert f"handoff proxy: client disconnected during the {leg} leg" in reasons
 
 
 async def test_a_prefill_that_fails_is_a_502_naming_the_leg_the_engine_and_the_handoff(

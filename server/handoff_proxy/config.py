@@ -91,64 +91,72 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         help="a decode vLLM (kv_consumer), e.g. decode-0=http://10.0.0.6:8200; repeatable",
     )
-    engines.add_argument(
+    _value(
+        engines,
         "--max-in-flight",
-        default=str(DEFAULTS.max_in_flight),
-        metavar="N",
-        help="requests in flight per engine before it is passed over (503 when every "
+        DEFAULTS.max_in_flight,
+        "N",
+        "requests in flight per engine before it is passed over (503 when every "
         "engine of a role is at it); 0: no limit",
     )
-    engines.add_argument(
+    _value(
+        engines,
         "--connect-timeout-s",
-        default=str(DEFAULTS.connect_timeout_s),
-        metavar="S",
-        help="to open a connection to an engine",
+        DEFAULTS.connect_timeout_s,
+        "S",
+        "to open a connection to an engine",
     )
     http = parser.add_argument_group("HTTP")
     http.add_argument("--host", default=DEFAULTS.host, help="address to listen on")
     http.add_argument("--port", default=str(DEFAULTS.port), help="port to listen on (0: any)")
-    http.add_argument(
+    _value(
+        http,
         "--max-body-bytes",
-        default=str(DEFAULTS.max_body_bytes),
-        metavar="N",
-        help="largest request body accepted (413 above)",
+        DEFAULTS.max_body_bytes,
+        "N",
+        "largest request body accepted (413 above)",
     )
-    http.add_argument(
+    _value(
+        http,
         "--drain-grace-s",
-        default=str(DEFAULTS.drain_grace_s),
-        metavar="S",
-        help="on SIGTERM or SIGINT, how long requests in flight may take to finish; the "
+        DEFAULTS.drain_grace_s,
+        "S",
+        "on SIGTERM or SIGINT, how long requests in flight may take to finish; the "
         "rest are cut off and their handoffs canceled",
     )
     coordinator = parser.add_argument_group("coordinator")
     coordinator.add_argument(
         "--coordinator", default=DEFAULTS.coordinator, metavar="HOST:PORT", help="its address"
     )
-    coordinator.add_argument(
+    _value(
+        coordinator,
         "--deadline-s",
-        default=str(DEFAULTS.deadline_s),
-        metavar="S",
-        help="each handoff's deadline: past it the coordinator cancels it and the client gets 504",
+        DEFAULTS.deadline_s,
+        "S",
+        "each handoff's deadline: past it the coordinator cancels it and the client gets 504",
     )
-    coordinator.add_argument(
+    _value(
+        coordinator,
         "--poll-interval-s",
-        default=str(DEFAULTS.poll_interval_s),
-        metavar="S",
-        help="how often a request with a leg open asks the coordinator (GetHandoff) "
+        DEFAULTS.poll_interval_s,
+        "S",
+        "how often a request with a leg open asks the coordinator (GetHandoff) "
         "whether its handoff was canceled: the delay before the proxy closes a "
         "canceled handoff's leg, at one call per request in flight per interval",
     )
-    coordinator.add_argument(
+    _value(
+        coordinator,
         "--coordinator-timeout-s",
-        default=str(DEFAULTS.coordinator_timeout_s),
-        metavar="S",
-        help="each coordinator call's deadline",
+        DEFAULTS.coordinator_timeout_s,
+        "S",
+        "each coordinator call's deadline",
     )
-    coordinator.add_argument(
+    _value(
+        coordinator,
         "--coordinator-retry-s",
-        default=str(DEFAULTS.coordinator_retry_s),
-        metavar="S",
-        help="how long a call is retried while the coordinator is unreachable; then 503 "
+        DEFAULTS.coordinator_retry_s,
+        "S",
+        "how long a call is retried while the coordinator is unreachable; then 503 "
         "(short: fail fast)",
     )
     coordinator.add_argument(
@@ -164,6 +172,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--log-level", choices=("debug", "info", "warning", "error"), default=DEFAULTS.log_level
     )
     parser.set_defaults(run=run)
+
+
+def _value(
+    group: argparse._ArgumentGroup, flag: str, default: float, metavar: str, text: str
+) -> None:
+    """A flag whose value from_arguments checks (``--help`` shows the default)."""
+    group.add_argument(flag, default=str(default), metavar=metavar, help=text)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -369,41 +369,46 @@ class Exchange:
             (LifecycleEventKind.DESTINATION_LOST, self.decode_engine),
         ):
             if kind in kinds:
-                return ProxyError(
+                return self._error_on(
+                    engine,
                     502,
                     f"handoff {self.handoff_id} canceled by the coordinator during the "
                     f"{self.leg} leg: it lost {engine.role} engine {engine.engine_id} "
                     f"({engine.url})",
-                    leg=self.leg,
-                    engine_id=engine.engine_id,
-                    handoff_id=self.handoff_id,
-                    why="engine_lost",
+                    "engine_lost",
                 )
         ended = handoff.completed_at or datetime.now(UTC)
         if handoff.deadline is not None and ended >= handoff.deadline:
             return self._deadline_error("and the coordinator canceled it")
         engine = self._leg_engine()
-        return ProxyError(
+        return self._error_on(
+            engine,
             502,
             f"handoff {self.handoff_id} canceled on the coordinator during the {self.leg} "
             f"leg (engine {engine.engine_id}); `handoff inspect {self.handoff_id}` shows why",
-            leg=self.leg,
-            engine_id=engine.engine_id,
-            handoff_id=self.handoff_id,
-            why="canceled",
+            "canceled",
         )
 
     def _deadline_error(self, then: str) -> ProxyError:
         engine = self._leg_engine()
-        return ProxyError(
+        return self._error_on(
+            engine,
             504,
             f"handoff {self.handoff_id} passed its deadline ({self.config.deadline_s:g} s, "
             f"--deadline-s) during the {self.leg} leg on engine {engine.engine_id} "
             f"({engine.url}), {then}",
+            "deadline",
+        )
+
+    def _error_on(self, engine: Engine, status: int, message: str, why: str) -> ProxyError:
+        """An error of the open leg on ``engine``, naming the leg, the engine and the handoff."""
+        return ProxyError(
+            status,
+            message,
             leg=self.leg,
             engine_id=engine.engine_id,
             handoff_id=self.handoff_id,
-            why="deadline",
+            why=why,
         )
 
     def _leg_engine(self) -> Engine:
@@ -485,13 +490,12 @@ class Exchange:
         return headers
 
     def _engine_error(self, engine: Engine, what: str) -> ProxyError:
-        return ProxyError(
+        return self._error_on(
+            engine,
             502,
             f"{self.leg} leg failed: {engine.role} engine {engine.engine_id} ({engine.url}) "
             f"{what} (handoff {self.handoff_id})",
-            leg=self.leg,
-            engine_id=engine.engine_id,
-            handoff_id=self.handoff_id,
+            "engine_error",
         )
 
     async def prefill(self) -> dict[str, Any]:
