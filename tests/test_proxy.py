@@ -650,3 +650,17 @@ async def test_a_handoff_canceled_while_its_decode_streams_stops_the_stream(
         assert "canceled on the coordinator during the decode leg" in error["message"]
         await decode.closed[handoff_id].wait()
         await decode.ended(handoff_id, Completion.CANCELED)  # reopened, the decode freed
+
+
+async def test_without_the_coordinator_the_deadline_bounds_the_prefill_leg(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S), rig(None, deadline_s=0.3) as proxy:
+        prefill = proxy.prefills[0]
+        prefill.hang = True
+        async with http.post(proxy.url + "/v1/completions", json=PROMPT) as response:
+            assert response.status == 504
+            error = (await response.json())["error"]
+        assert error["leg"] == "prefill"
+        assert "so the proxy closed it" in error["message"]
+        await prefill.closed[error["handoff_id"]].wait()
