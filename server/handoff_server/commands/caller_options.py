@@ -12,8 +12,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TypedDict
 
 from handoff_client.credentials import ChannelSecurity
+
+
+class ClientOptions(TypedDict):
+    """HandoffClient's keyword arguments for TLS and the bearer token."""
+
+    tls: bool | None
+    tls_root_cert: str | None
+    tls_client_cert: str | None
+    tls_client_key: str | None
+    token: str | None
 
 
 def add_arguments(parser: argparse.ArgumentParser, scope: str) -> None:
@@ -42,6 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser, scope: str) -> None:
 def security(args: argparse.Namespace) -> ChannelSecurity:
     """What the flags ask for. Raises OSError or ValueError, naming the flag."""
     return ChannelSecurity.from_options(
+        tls=args.tls or None,
+        tls_root_cert=args.tls_root_cert,
+        tls_client_cert=args.tls_client_cert,
+        tls_client_key=args.tls_client_key,
+        token=read_token(args.token_file),
+    )
+
+
+def client_options(args: argparse.Namespace) -> ClientOptions:
+    """The flags as HandoffClient's keyword arguments (`handoff proxy` builds
+    its client later, in its own event loop). Raises ValueError naming the flag."""
+    return ClientOptions(
         tls=args.tls or None,
         tls_root_cert=args.tls_root_cert,
         tls_client_cert=args.tls_client_cert,

@@ -23,6 +23,8 @@ COMMANDS = {
     "health": "handoff_server.commands.health",
     "sim": "handoff_client.sim.cli",
     "demo": "handoff_server.commands.demo",
+    # Imports aiohttp only when it runs (the [proxy] extra).
+    "proxy": "handoff_proxy.config",
 }
 # Our PyPI name: `handoff` there is an unrelated project.
 DISTRIBUTION = "kv-handoff"
