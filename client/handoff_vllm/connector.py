@@ -78,10 +78,21 @@ def check_version(version: str, allow_other: bool) -> None:
     log.warning(message)
 
 
+def log_like_vllm() -> None:
+    """The SDK's and the connector's logs ("handoff.*") go where vLLM's go."""
+    ours, theirs = logging.getLogger("handoff"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 class HandoffConnector(NixlPullConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
+        log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         extra = transfer.kv_connector_extra_config

@@ -1,4 +1,4 @@
-"""Fixtures for `make test-vllm`: one coordinator and one prefill/decode pair per module.
+"""Fixtures for `make test-vllm`: one coordinator and one prefill/decode pair per session.
 
 The engines start once per module (about a minute each, cold) and only the
 one a test kills is restarted. Run from .venv-vllm with --confcutdir
@@ -34,12 +34,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("model"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def coordinator(workdir: Path) -> Iterator[Coordinator]:
     coordinator = Coordinator(workdir / "coordinator")
     coordinator.start()
@@ -48,7 +48,7 @@ def coordinator(workdir: Path) -> Iterator[Coordinator]:
     coordinator.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pair(model: Path, workdir: Path, coordinator: Coordinator) -> Iterator[Pair]:
     """prefill-0 on core 0, decode-0 on core 1, both under the coordinator."""
     prefill = Engine("prefill", model, workdir / "prefill", 0, coordinator.address, "prefill-0")

@@ -29,7 +29,8 @@ import httpx
 from handoff_client import EngineType, Handoff, HandoffClient, Phase, Role
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_START_S = 240.0
+# Cold, two engines at once on a shared 2-core machine: minutes, not seconds.
+ENGINE_START_S = 600.0
 POLL_S = 0.05
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 32
