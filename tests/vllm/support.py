@@ -66,7 +66,7 @@ class Coordinator:
     """``handoff serve --state-dir``; restartable on the same directory and port."""
 
     directory: Path
-    delivery_timeout_s: float = 3.0
+    delivery_timeout_s: float = 10.0
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
 
@@ -147,7 +147,7 @@ def kv_transfer_config(engine_id: str | None, coordinator: str | None) -> str:
                     "coordinator": coordinator,
                     "engine_id": engine_id,
                     "deadline_s": 60,
-                    "delivery_timeout_s": 3,
+                    "delivery_timeout_s": 10,
                 }
             },
         }
@@ -180,6 +180,9 @@ class Engine:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": str(self.core),
+            # An idle OpenMP thread sleeps instead of spinning on a core the
+            # other engine, the coordinator and the tests need too.
+            "OMP_WAIT_POLICY": "PASSIVE",
             "VLLM_CACHE_ROOT": str(self.directory / "cache"),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_port),
@@ -354,6 +357,44 @@ async def decode_leg(
     if choice.get("finish_reason") not in ("length", "stop"):
         raise LegError("decode", answer.status_code, f"finish_reason {choice.get('finish_reason')}")
     return str(choice["text"])
+
+
+async def decode_stream(
+    http: httpx.AsyncClient,
+    url: str,
+    prompt: str,
+    params: dict[str, Any],
+    max_tokens: int,
+    first: Callable[[], None] = lambda: None,
+) -> str:
+    """The decode leg streamed; ``first()`` is called at the first token."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "kv_transfer_params": params,
+    }
+    text: list[str] = []
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as answer:
+        if answer.status_code != 200:
+            raise LegError("decode", answer.status_code, (await answer.aread()).decode())
+        async for line in answer.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise LegError("decode", answer.status_code, line)
+            choice = event["choices"][0]
+            if choice.get("text"):
+                if not text:
+                    first()
+                text.append(choice["text"])
+            reason = choice.get("finish_reason")
+            if reason is not None and reason not in ("length", "stop"):
+                raise LegError("decode", answer.status_code, f"finish_reason {reason}")
+    return "".join(text)
 
 
 async def complete(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> str:
