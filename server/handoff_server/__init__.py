@@ -43,7 +43,9 @@ Commands (``handoff ...``):
   ``inspect_cmd``, ``replay`` and ``demo`` (a coordinator process and the
   SDK's simulator against it, crashing the coordinator mid-run) are one
   subcommand each; ``coordinators``: coordinators as ``handoff serve``
-  processes, started, killed -9 and restarted on their state dir.
+  processes, started, killed -9 and restarted on their state dir;
+  ``coordinator_options``: the TLS and token flags of the commands that call
+  a coordinator (``inspect``, and ``proxy`` in handoff_proxy).
 - ``conformance``: reading conformance vectors and comparing answers with them.
 - ``stubs``: regenerating the committed gRPC stubs from proto/.
 """

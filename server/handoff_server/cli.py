@@ -21,6 +21,8 @@ COMMANDS = {
     "health": "handoff_server.health",
     "sim": "handoff_client.sim.cli",
     "demo": "handoff_server.demo",
+    # Imports aiohttp only when it runs (the [proxy] extra).
+    "proxy": "handoff_proxy.config",
 }
 SERVER_EXTRA = "pip install 'handoff[server]'"
 

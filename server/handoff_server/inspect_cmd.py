@@ -12,11 +12,11 @@ import asyncio
 import sys
 from datetime import UTC, datetime
 from enum import Enum
-from pathlib import Path
 
 from handoff_client import HandoffClient
 from handoff_client.errors import HandoffRpcError
 from handoff_client.model import ActionKind, Handoff
+from handoff_server import coordinator_options
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,25 +29,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("handoff_id", metavar="ID", help="the handoff's UUID")
     parser.add_argument("--target", default="localhost:50051", help="server HOST:PORT")
     parser.add_argument("--timeout", type=float, default=5.0, help="RPC deadline, seconds")
-    secure = parser.add_argument_group(
-        "TLS and tokens", "for a server with HANDOFF_TLS_* or HANDOFF_TOKENS set (docs/security.md)"
-    )
-    secure.add_argument(
-        "--tls-root-cert", metavar="PEM", help="CA to verify the server with; turns TLS on"
-    )
-    secure.add_argument(
-        "--tls-client-cert", metavar="PEM", help="client certificate, for mutual TLS"
-    )
-    secure.add_argument("--tls-client-key", metavar="PEM", help="its private key")
-    secure.add_argument(
-        "--tls", action="store_true", help="TLS with the system's roots (no --tls-root-cert)"
-    )
-    secure.add_argument(
-        "--token-file",
-        metavar="FILE",
-        help="file holding a bearer token with the `read` scope (not on the command "
-        "line, where other users of the machine could see it)",
-    )
+    coordinator_options.add_arguments(parser, scopes="`read` scope")
     parser.set_defaults(run=run)
 
 
@@ -66,25 +48,10 @@ def run(args: argparse.Namespace) -> int:
 
 async def _fetch(args: argparse.Namespace) -> Handoff:
     client = HandoffClient(
-        args.target,
-        timeout_s=args.timeout,
-        tls=args.tls or None,
-        tls_root_cert=args.tls_root_cert,
-        tls_client_cert=args.tls_client_cert,
-        tls_client_key=args.tls_client_key,
-        token=_token(args.token_file),
+        args.target, timeout_s=args.timeout, **coordinator_options.security_options(args)
     )
     async with client:
         return await client.get_handoff(args.handoff_id)
-
-
-def _token(path: str | None) -> str | None:
-    if path is None:
-        return None
-    token = Path(path).read_text(encoding="utf-8").strip()
-    if not token:
-        raise ValueError(f"--token-file {path} is empty")
-    return token
 
 
 def _name(value: Enum | None) -> str:
