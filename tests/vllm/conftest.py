@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from handoff_client import HandoffClient
 from tests.vllm.model import build
-from tests.vllm.support import Coordinator, Engine, Pair
+from tests.vllm.support import Coordinator, Engine, Pair, Proxy
 
 # Every test here runs real engines: minutes, not the suite's 120 s default.
 TEST_TIMEOUT_S = 600
@@ -61,6 +61,16 @@ def pair(model: Path, workdir: Path, coordinator: Coordinator) -> Iterator[Pair]
     finally:
         prefill.stop()
         decode.stop()
+
+
+@pytest.fixture(scope="session")
+def proxy(workdir: Path, coordinator: Coordinator, pair: Pair) -> Iterator[Proxy]:
+    """`handoff proxy` in front of the pair (restarted by a test that kills it)."""
+    proxy = Proxy(workdir / "proxy", coordinator.address, pair.prefill, pair.decode)
+    proxy.start()
+    asyncio.run(proxy.ready())
+    yield proxy
+    proxy.stop()
 
 
 async def _ready(*engines: Engine) -> None:

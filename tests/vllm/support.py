@@ -42,6 +42,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def tail(path: Path, lines: int) -> str:
+    """The last ``lines`` of a log, for a failure's message."""
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
 def coordinator_command() -> list[str]:
     command = os.environ.get("HANDOFF_COORDINATOR")
     if command:
@@ -122,12 +129,7 @@ class Coordinator:
                 self.kill()
 
     def log_tail(self, lines: int = 30) -> str:
-        path = self.directory / "coordinator.log"
-        return (
-            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-            if path.exists()
-            else ""
-        )
+        return tail(self.directory / "coordinator.log", lines)
 
 
 def kv_transfer_config(engine_id: str | None, coordinator: str | None) -> str:
@@ -257,12 +259,7 @@ class Engine:
                 self.kill()
 
     def log_tail(self, lines: int = 40) -> str:
-        path = self.directory / f"{self.name}.log"
-        return (
-            "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-            if path.exists()
-            else ""
-        )
+        return tail(self.directory / f"{self.name}.log", lines)
 
     def log_text(self) -> str:
         path = self.directory / f"{self.name}.log"
@@ -291,6 +288,104 @@ class Engine:
     async def idle(self, timeout_s: float = 20.0) -> None:
         """Running and waiting 0 and no KV block in use, by vLLM's /metrics."""
         await poll(f"{self.name} idle by its /metrics", self.idle_now, timeout_s)
+
+
+@dataclass
+class Proxy:
+    """``handoff proxy`` (from the main venv) in front of one pair."""
+
+    directory: Path
+    coordinator: str | None
+    prefill: Engine
+    decode: Engine
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        where = (
+            ["--no-coordinator"]
+            if self.coordinator is None
+            else [f"--coordinator={self.coordinator}", "--deadline-s=60"]
+        )
+        log = (self.directory / "proxy.log").open("ab")
+        self.process = subprocess.Popen(
+            [
+                *coordinator_command(),
+                "proxy",
+                "--host=127.0.0.1",
+                f"--port={self.port}",
+                f"--prefill={self.prefill.engine_id}={self.prefill.url}",
+                f"--decode={self.decode.engine_id}={self.decode.url}",
+                "--log-level=info",
+                *where,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+    async def ready(self) -> None:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+
+            async def healthy() -> bool:
+                assert self.process is not None
+                if self.process.poll() is not None:
+                    raise AssertionError(f"proxy exited: {self.log_tail()}")
+                try:
+                    return (await http.get(f"{self.url}/health")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            await poll(f"proxy healthy at {self.url}", healthy, 60.0)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self, lines: int = 30) -> str:
+        return tail(self.directory / "proxy.log", lines)
+
+    async def complete(
+        self, http: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool
+    ) -> tuple[str, str]:
+        """(handoff id from X-Request-Id, text) of one completion through the proxy."""
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": stream,
+        }
+        if not stream:
+            answer = await http.post(f"{self.url}/v1/completions", json=body)
+            if answer.status_code != 200:
+                raise LegError("proxy", answer.status_code, answer.text)
+            return answer.headers.get("x-request-id", ""), str(answer.json()["choices"][0]["text"])
+        text: list[str] = []
+        async with http.stream("POST", f"{self.url}/v1/completions", json=body) as answer:
+            if answer.status_code != 200:
+                raise LegError("proxy", answer.status_code, (await answer.aread()).decode())
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise LegError("proxy", answer.status_code, line)
+                text.append(event["choices"][0].get("text") or "")
+            return answer.headers.get("x-request-id", ""), "".join(text)
 
 
 METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$")

@@ -1,4 +1,4 @@
-"""Through the coordinated P/D pair, greedy answers equal one vLLM's alone.
+"""Through `handoff proxy` and the coordinated P/D pair, greedy answers equal one vLLM's alone.
 
 The KV moved: the tiny model has real random weights, so an answer decoded
 from the wrong KV differs. References come from the prefill engine as a plain
@@ -13,7 +13,7 @@ import asyncio
 import httpx
 
 from handoff_client import Completion, HandoffClient, LifecycleEventKind
-from tests.vllm.support import Pair, complete, ended
+from tests.vllm.support import Pair, Proxy, complete, ended
 
 MAX_TOKENS = 12
 # Lengths from a few tokens to several 32-token blocks.
@@ -52,15 +52,15 @@ PROMPTS = [
 ]
 
 
-async def test_greedy_answers_through_the_pair_equal_one_vllm_alone(
-    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+async def test_greedy_answers_through_the_proxy_equal_one_vllm_alone(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
 ) -> None:
     references = [await complete(http, pair.prefill.url, p, MAX_TOKENS) for p in PROMPTS]
     results: list[tuple[str, str]] = []
-    for start in range(0, len(PROMPTS), 4):  # a few at once, as a frontend would
+    for start in range(0, len(PROMPTS), 4):  # a few at once; half of them streamed
         batch = PROMPTS[start : start + 4]
         results += await asyncio.gather(
-            *(pair.generate(client, http, p, MAX_TOKENS) for p in batch)
+            *(proxy.complete(http, p, MAX_TOKENS, stream=n % 2 == 1) for n, p in enumerate(batch))
         )
     answers = [text for _, text in results]
     assert answers == references

@@ -19,6 +19,7 @@ from tests.vllm.support import (
     Engine,
     LegError,
     Pair,
+    Proxy,
     complete,
     decode_leg,
     ended,
@@ -123,3 +124,43 @@ async def test_canceled_before_the_decode_leg_frees_the_prefill_at_once(
     await expect_end(client, handoff_id, Completion.CANCELED)
     await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
     await answered(pair, client, http)
+
+
+async def stream_until_first_token(proxy: Proxy, http: httpx.AsyncClient, prompt: str) -> str:
+    """Open a long streamed completion through the proxy; its handoff id at the first token.
+
+    The caller then breaks the stream off (leaving the ``async with`` closes it)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0.0}
+    async with http.stream(
+        "POST", f"{proxy.url}/v1/completions", json={**body, "stream": True}
+    ) as answer:
+        assert answer.status_code == 200, await answer.aread()
+        handoff_id = answer.headers["x-request-id"]
+        async for line in answer.aiter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return handoff_id
+    raise AssertionError("the stream ended before its first token")
+
+
+async def test_a_client_that_disconnects_during_the_decode_frees_both_engines(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    handoff_id = await stream_until_first_token(proxy, http, "A client that leaves " * 3)
+    await expect_end(client, handoff_id, Completion.CANCELED)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
+
+
+async def test_kill_the_proxy_mid_stream_leaves_both_engines_idle(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    handoff_id = await stream_until_first_token(proxy, http, "A proxy that dies " * 3)
+    proxy.kill()
+    # Activated and released: SUCCESS; vLLM aborts the decode whose client is gone.
+    await ended(client, handoff_id)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    proxy.start()
+    await proxy.ready()
+    reference = await complete(http, pair.prefill.url, "After the proxy's restart", MAX_TOKENS)
+    _, text = await proxy.complete(http, "After the proxy's restart", MAX_TOKENS, stream=False)
+    assert text == reference
