@@ -326,6 +326,13 @@ class HandoffEngine:
             entry.decode_finished = True
             entry.request = entry.blocks = None
             unread = not entry.read_issued and not entry.full_hit
+            waiting = entry.external_tokens is not None and entry.external_tokens > 0
+            if waiting and not entry.released and (unread or entry.recv_done):
+                # vLLM keeps a request's blocks that ends (an abort) while waiting
+                # for remote KV until its receive is reported finished: one we
+                # held back, or never let NIXL start. The worker reports it now.
+                entry.released = True
+                self._orders.release_recv.add(request_id)
             self._changed(entry)
             self._forget(entry)
             return unread
