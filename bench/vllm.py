@@ -1,14 +1,14 @@
 """What coordination costs a real vLLM P/D request: TTFT and end-to-end, p50 and p99.
 
 One coordinator, one prefill and one decode vLLM with HandoffConnector (the
-tiny test model, tests/vllm/model.py), and a frontend that sends both legs
-itself: **coordinated** (StartHandoff, then the legs with the handoff id:
-the decode waits for StartTransfer and ActivateDestination) against **plain**
-(the same two legs on the same engines without a handoff id: NIXL alone).
-The two kinds alternate request by request in one run, so drift and noise
-fall on both. Each request's prompt is new (no prefix-cache hits). TTFT is
-from the request's start (before StartHandoff) to the first token of the
-streamed decode leg; e2e to its last.
+tiny test model, tests/vllm/model.py), and two `handoff proxy` processes in
+front of the same two engines: one **coordinated** (StartHandoff, the legs
+with the handoff id: the decode waits for StartTransfer and
+ActivateDestination) and one `--no-coordinator` (**plain** vLLM P/D: the same
+two legs without a handoff id, which the connector leaves to NIXL alone).
+Requests alternate between the two, one at a time, in one run, so drift and
+noise fall on both. Every prompt is new (no prefix-cache hits). TTFT is from
+sending the request to the first streamed token; e2e to the last.
 
     make bench-vllm            # .venv-vllm/bin/python -m bench.vllm
     .venv-vllm/bin/python -m bench.vllm --requests 60 --max-tokens 16
@@ -28,30 +28,18 @@ from pathlib import Path
 
 import httpx
 
-from handoff_client import HandoffClient
 from tests.vllm.model import build
-from tests.vllm.support import Coordinator, Engine, Pair, decode_stream, ended, prefill_leg
+from tests.vllm.support import Coordinator, Engine, Proxy
 
 
-async def one(
-    pair: Pair, client: HandoffClient, http: httpx.AsyncClient, coordinated: bool, max_tokens: int
-) -> tuple[float, float]:
+async def one(proxy: Proxy, http: httpx.AsyncClient, max_tokens: int) -> tuple[float, float]:
     prompt = f"Benchmark request {uuid.uuid4().hex}: the coordinator decides when"
     first: list[float] = []
     start = time.perf_counter()
-    handoff_id = await pair.start_handoff(client) if coordinated else None
-    params = await prefill_leg(http, pair.prefill.url, prompt, handoff_id)
-    await decode_stream(
-        http,
-        pair.decode.url,
-        prompt,
-        params,
-        max_tokens,
-        first=lambda: first.append(time.perf_counter()),
+    await proxy.complete(
+        http, prompt, max_tokens, stream=True, first=lambda: first.append(time.perf_counter())
     )
     done = time.perf_counter()
-    if handoff_id is not None:
-        await ended(client, handoff_id)
     return (first[0] - start) * 1000, (done - start) * 1000
 
 
@@ -77,23 +65,27 @@ async def run(requests: int, max_tokens: int, workdir: Path) -> None:
     decode = Engine("decode", model, workdir / "decode", 1, coordinator.address, "decode-0")
     prefill.start()
     decode.start()
+    proxies: dict[bool, Proxy] = {}
     try:
         await asyncio.gather(prefill.ready(), decode.ready())
-        pair = Pair(prefill, decode, coordinator)
+        proxies = {
+            True: Proxy(workdir / "proxy", coordinator.address, prefill, decode),
+            False: Proxy(workdir / "proxy-plain", None, prefill, decode),
+        }
+        for proxy in proxies.values():
+            proxy.start()
+        await asyncio.gather(*(proxy.ready() for proxy in proxies.values()))
         results: dict[bool, tuple[list[float], list[float]]] = {True: ([], []), False: ([], [])}
-        async with (
-            HandoffClient(coordinator.address) as client,
-            httpx.AsyncClient(timeout=60.0) as http,
-        ):
+        async with httpx.AsyncClient(timeout=60.0) as http:
             for warm in range(4):  # NIXL handshakes, first-call costs
-                await one(pair, client, http, warm % 2 == 0, max_tokens)
+                await one(proxies[warm % 2 == 0], http, max_tokens)
             for n in range(requests * 2):
                 coordinated = n % 2 == 0
-                ttft, e2e = await one(pair, client, http, coordinated, max_tokens)
+                ttft, e2e = await one(proxies[coordinated], http, max_tokens)
                 results[coordinated][0].append(ttft)
                 results[coordinated][1].append(e2e)
         plain, coord = results[False], results[True]
-        print(report("plain P/D", *plain))
+        print(report("plain P/D", *plain))  # handoff proxy --no-coordinator
         print(report("coordinated", *coord))
         for label, index in (("TTFT", 0), ("e2e", 1)):
             cost = statistics.median(coord[index]) - statistics.median(plain[index])
@@ -102,6 +94,8 @@ async def run(requests: int, max_tokens: int, workdir: Path) -> None:
         await asyncio.gather(prefill.idle(), decode.idle())
         print("both engines idle by /metrics afterwards")
     finally:
+        for proxy in proxies.values():
+            proxy.stop()
         prefill.stop()
         decode.stop()
         coordinator.stop()

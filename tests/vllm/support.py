@@ -359,9 +359,15 @@ class Proxy:
         return tail(self.directory / "proxy.log", lines)
 
     async def complete(
-        self, http: httpx.AsyncClient, prompt: str, max_tokens: int, stream: bool
+        self,
+        http: httpx.AsyncClient,
+        prompt: str,
+        max_tokens: int,
+        stream: bool,
+        first: Callable[[], None] = lambda: None,
     ) -> tuple[str, str]:
-        """(handoff id from X-Request-Id, text) of one completion through the proxy."""
+        """(handoff id from X-Request-Id, text) of one completion through the proxy;
+        ``first()`` at a streamed answer's first token."""
         body = {
             "model": "tiny",
             "prompt": prompt,
@@ -384,7 +390,10 @@ class Proxy:
                 event = json.loads(line[6:])
                 if "error" in event:
                     raise LegError("proxy", answer.status_code, line)
-                text.append(event["choices"][0].get("text") or "")
+                piece = event["choices"][0].get("text") or ""
+                if piece and not any(text):
+                    first()
+                text.append(piece)
             return answer.headers.get("x-request-id", ""), "".join(text)
 
 
