@@ -1,10 +1,11 @@
 """make demo-vllm: two real vLLM engines under the coordinator, a disconnect and a kill.
 
-A coordinator and a prefill/decode pair of vLLMs with HandoffConnector (the
-tiny test model), a frontend that sends the two legs itself, and a stream of
-requests: most answered; one whose client goes away mid-decode (the stream
-is closed and the handoff canceled); one whose decode engine is killed (-9)
-after the prefill held its KV, after which the decode is restarted. The
+A coordinator, a prefill/decode pair of vLLMs with HandoffConnector (the
+tiny test model) and `handoff proxy` in front of them, and a stream of
+requests: most answered through the proxy; one whose client goes away
+mid-decode (the stream is closed: the proxy cancels the handoff); one sent
+leg by leg whose decode engine is killed (-9) once the prefill held its KV,
+after which the decode is restarted. The
 summary counts what happened and ends with ``leaked: N``: KV blocks still in
 use on either engine once nothing runs, by vLLM's own /metrics
 (``vllm:kv_cache_usage_perc`` x the engine's block count).
@@ -26,7 +27,7 @@ from tests.vllm.support import (
     Coordinator,
     Engine,
     Pair,
-    decode_stream,
+    Proxy,
     ended,
     lifecycle_has,
     poll,
@@ -61,9 +62,12 @@ async def run(workdir: Path) -> int:
     print(f"coordinator on {coordinator.address}; starting two vLLM engines (a minute or more)")
     prefill.start()
     decode.start()
+    proxy = Proxy(workdir / "proxy", coordinator.address, prefill, decode)
     counts = {"answered": 0, "canceled by a disconnect": 0, "canceled by a kill": 0}
     try:
         await asyncio.gather(prefill.ready(), decode.ready())
+        proxy.start()
+        await proxy.ready()
         pair = Pair(prefill, decode, coordinator)
         async with (
             HandoffClient(coordinator.address) as client,
@@ -71,22 +75,18 @@ async def run(workdir: Path) -> int:
         ):
             for n in range(REQUESTS):
                 prompt = f"Demo request {n} {uuid.uuid4().hex[:8]}: the coordinator decides"
-                handoff_id = await pair.start_handoff(client)
-                params = await prefill_leg(http, prefill.url, prompt, handoff_id)
                 if n == 4:  # the client goes away at the first token
                     gone = asyncio.Event()
-                    stream = asyncio.create_task(
-                        decode_stream(http, decode.url, prompt, params, 200, first=gone.set)
-                    )
+                    stream = asyncio.create_task(proxy.complete(http, prompt, 200, True, gone.set))
                     await gone.wait()
                     stream.cancel()
                     await asyncio.gather(stream, return_exceptions=True)
-                    await client.cancel(handoff_id, "client disconnected")
-                    handoff = await ended(client, handoff_id)
                     counts["canceled by a disconnect"] += 1
-                    print(f"request {n}: client disconnected mid-decode: {handoff.completion.name}")
+                    print(f"request {n}: client disconnected mid-decode (the proxy cancels it)")
                     continue
                 if n == 8:  # kill -9 of the decode once the prefill holds
+                    handoff_id = await pair.start_handoff(client)
+                    await prefill_leg(http, prefill.url, prompt, handoff_id)
                     await poll(
                         "SourceHeld",
                         lambda hid=handoff_id: lifecycle_has(client, hid, "SOURCE_HELD"),
@@ -105,7 +105,7 @@ async def run(workdir: Path) -> int:
                     decode.start()
                     await decode.ready()
                     continue
-                text = await decode_stream(http, decode.url, prompt, params, MAX_TOKENS)
+                handoff_id, text = await proxy.complete(http, prompt, MAX_TOKENS, n % 2 == 0)
                 handoff = await ended(client, handoff_id)
                 assert handoff.completion is Completion.SUCCESS, handoff
                 counts["answered"] += 1
@@ -113,6 +113,7 @@ async def run(workdir: Path) -> int:
         await asyncio.gather(prefill.idle(timeout_s=30.0), decode.idle(timeout_s=30.0))
         leaked = await blocks_in_use(prefill) + await blocks_in_use(decode)
     finally:
+        proxy.stop()
         prefill.stop()
         decode.stop()
         coordinator.stop()
