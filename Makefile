@@ -109,8 +109,7 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 # Not part of `make test`: .ci/run calls it after.
 # Its mypy --strict runs here, where vLLM is importable. PYTEST_ARGS picks tests.
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/mypy --strict --python-version 3.11 --explicit-package-bases \
-		--ignore-missing-imports client/handoff_vllm
+	$(VLLM_VENV)/bin/mypy --config-file tests/vllm/mypy.ini client/handoff_vllm
 	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
 		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/vllm \
 		$(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests/vllm)

@@ -8,7 +8,10 @@ while a prefill holds delayed-free blocks, spins. A thread of its own gets
 the GIL at least every ``sys.getswitchinterval()`` (5 ms) from a spinning
 Python loop and at every torch kernel, which releases it; the lease needs a
 sign of life every few seconds, so heartbeats never lag that far
-(tests/vllm/test_faults.py holds a prefill across several leases).
+(tests/vllm/test_faults.py's kill of the decode holds a prefill, spinning,
+for the delivery timeout, longer than the lease: a lease that expired then
+would hand the source to NIXL's 70 s lease and the prefill would not be
+idle within the test's 30 s).
 """
 
 from __future__ import annotations
