@@ -105,7 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=50, help="of each kind (default 50)")
     parser.add_argument("--max-tokens", type=int, default=16, help="per request (default 16)")
+    parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temporary one)")
     args = parser.parse_args()
+    if args.workdir is not None:
+        asyncio.run(run(args.requests, args.max_tokens, args.workdir))
+        return
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as workdir:
         asyncio.run(run(args.requests, args.max_tokens, Path(workdir)))
 
