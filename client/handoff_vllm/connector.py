@@ -128,7 +128,9 @@ class HandoffConnector(NixlPullConnector):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        answer = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        answer: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
         handoff_id = _handoff_id(request)
         if handoff_id is not None and self._engine is not None:
             params = request.kv_transfer_params
