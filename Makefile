@@ -14,7 +14,7 @@ WHEELS := build/wheels
 PYTHON312 := $(firstword $(wildcard /usr/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
 PYTHON313 := $(firstword $(wildcard /usr/bin/python3.13 $(HOME)/.pyenv/versions/3.13*/bin/python3.13))
 
-.PHONY: install test test-sdk test-pythons wheel lint demo bench stubs clean
+.PHONY: install test test-sdk test-pythons wheel lint demo bench stubs clean test-vllm demo-vllm bench-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,5 +89,36 @@ bench: $(STAMP)
 stubs: $(STAMP)
 	$(BIN)/python -m handoff_server.commands.stubs --write
 
+# vLLM on the CPU with NIXL, for tests/vllm, bench/vllm.py and demo-vllm:
+# every wheel pinned in tests/vllm/requirements.txt (why each: there). This
+# project goes in editable and without its deps (vLLM's grpcio/protobuf are
+# in the SDK's ranges); the coordinator runs from .venv (HANDOFF_COORDINATOR).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_REQUIREMENTS := tests/vllm/requirements.txt
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+	$(PYTHON) -m venv --clear $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+		nixl==1.5.1 nixl-cu12==1.5.1
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $(VLLM_STAMP)
+
+# Real vLLM engines (tiny model built by the test) under a real coordinator.
+# Not part of `make test`: .ci/run calls it after.
+# Its mypy --strict runs here, where vLLM is importable. PYTEST_ARGS picks tests.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/mypy --config-file tests/vllm/mypy.ini client/handoff_vllm
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
+		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/vllm \
+		$(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests/vllm)
+
+demo-vllm: $(STAMP) $(VLLM_STAMP)
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm_demo
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VLLM_VENV) $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

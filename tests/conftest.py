@@ -12,6 +12,9 @@ from handoff_server.service.app import Server
 from tests.support.servers import LOOPBACK, StartServer, servers
 from tests.support.sidecar import TIMEOUT_S as SIDECAR_TIMEOUT_S
 
+# Real vLLM engines: `make test-vllm`, from its own venv (tests/vllm/conftest.py).
+collect_ignore = ["vllm"]
+
 
 @pytest.fixture
 async def start_server() -> AsyncIterator[StartServer]:

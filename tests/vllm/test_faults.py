@@ -1,0 +1,166 @@
+"""Faults with real engines: each placed by watching the coordinator, never by a sleep.
+
+After each: the handoff ended on the coordinator with the expected completion
+(`expect_end`: once GetHandoff gives an end reason, one line there checks it
+too), both engines idle by vLLM's own /metrics, and the next request answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import httpx
+import pytest
+
+from handoff_client import Completion, Handoff, HandoffClient
+from tests.vllm.support import (
+    Engine,
+    LegError,
+    Pair,
+    Proxy,
+    complete,
+    decode_leg,
+    ended,
+    lifecycle_has,
+    poll,
+    prefill_leg,
+)
+
+MAX_TOKENS = 8
+
+
+async def expect_end(client: HandoffClient, handoff_id: str, completion: Completion) -> Handoff:
+    handoff = await ended(client, handoff_id)
+    assert handoff.completion is completion, handoff
+    return handoff
+
+
+async def answered(pair: Pair, client: HandoffClient, http: httpx.AsyncClient) -> None:
+    """The next request through the pair is answered, and right."""
+    prompt = f"After the fault {uuid.uuid4().hex[:6]}: the coordinator decides"
+    reference = await complete(http, pair.prefill.url, prompt, MAX_TOKENS)
+    handoff_id, text = await pair.generate(client, http, prompt, MAX_TOKENS)
+    assert text == reference
+    await expect_end(client, handoff_id, Completion.SUCCESS)
+
+
+async def restart(engine: Engine) -> None:
+    engine.kill()
+    engine.start()
+    await engine.ready()
+
+
+async def test_kill_decode_after_source_held_frees_the_prefill_within_the_delivery_timeout(
+    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    handoff_id = await pair.start_handoff(client)
+    await prefill_leg(http, pair.prefill.url, "Held for a decode that dies " * 4, handoff_id)
+    await poll(
+        "SourceHeld on the coordinator",
+        lambda: lifecycle_has(client, handoff_id, "SOURCE_HELD"),
+        30.0,
+    )
+    assert not await pair.prefill.idle_now()  # the prefill holds the blocks
+    pair.decode.kill()
+    killed = time.monotonic()
+    await pair.prefill.idle(timeout_s=30.0)
+    freed_after_s = time.monotonic() - killed
+    # The coordinator's delivery timeout (10 s) and a few steps, not NIXL's lease (70 s).
+    assert freed_after_s < pair.coordinator.delivery_timeout_s + 10.0, freed_after_s
+    await expect_end(client, handoff_id, Completion.CANCELED)
+    pair.decode.start()
+    await pair.decode.ready()
+    await answered(pair, client, http)
+
+
+async def test_kill_prefill_before_the_read_fails_the_decode_instead_of_decoding(
+    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    prompt = "A prefill that dies before its KV is read " * 3
+    handoff_id = await pair.start_handoff(client)
+    params = await prefill_leg(http, pair.prefill.url, prompt, handoff_id)
+    await poll(
+        "SourceHeld on the coordinator",
+        lambda: lifecycle_has(client, handoff_id, "SOURCE_HELD"),
+        30.0,
+    )
+    pair.prefill.kill()
+    await expect_end(client, handoff_id, Completion.CANCELED)
+    # The decode leg of an ended handoff fails its load: no token decoded.
+    with pytest.raises(LegError) as failure:
+        await decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS)
+    assert failure.value.leg == "decode"
+    await pair.decode.idle()
+    pair.prefill.start()
+    await pair.prefill.ready()
+    await pair.prefill.idle()
+    await answered(pair, client, http)
+
+
+async def test_a_decode_for_a_handoff_the_coordinator_never_heard_of_fails_its_load(
+    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    prompt = "Nobody started this handoff " * 3
+    params = await prefill_leg(http, pair.prefill.url, prompt, None)  # plain NIXL prefill
+    params["handoff_id"] = str(uuid.uuid4())
+    with pytest.raises(LegError):
+        await decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS)
+    await asyncio.gather(pair.prefill.idle(timeout_s=90.0), pair.decode.idle())
+
+
+async def test_canceled_before_the_decode_leg_frees_the_prefill_at_once(
+    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    handoff_id = await pair.start_handoff(client)
+    await prefill_leg(http, pair.prefill.url, "A client that goes away " * 4, handoff_id)
+    await poll(
+        "SourceHeld on the coordinator",
+        lambda: lifecycle_has(client, handoff_id, "SOURCE_HELD"),
+        30.0,
+    )
+    await client.cancel(handoff_id, "client disconnected")
+    await expect_end(client, handoff_id, Completion.CANCELED)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
+
+
+async def stream_until_first_token(proxy: Proxy, http: httpx.AsyncClient, prompt: str) -> str:
+    """Open a long streamed completion through the proxy; its handoff id at the first token.
+
+    The caller then breaks the stream off (leaving the ``async with`` closes it)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0.0}
+    async with http.stream(
+        "POST", f"{proxy.url}/v1/completions", json={**body, "stream": True}
+    ) as answer:
+        assert answer.status_code == 200, await answer.aread()
+        handoff_id = answer.headers["x-request-id"]
+        async for line in answer.aiter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return handoff_id
+    raise AssertionError("the stream ended before its first token")
+
+
+async def test_a_client_that_disconnects_during_the_decode_frees_both_engines(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    handoff_id = await stream_until_first_token(proxy, http, "A client that leaves " * 3)
+    await expect_end(client, handoff_id, Completion.CANCELED)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
+
+
+async def test_kill_the_proxy_mid_stream_leaves_both_engines_idle(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    handoff_id = await stream_until_first_token(proxy, http, "A proxy that dies " * 3)
+    proxy.kill()
+    # Activated and released: SUCCESS; vLLM aborts the decode whose client is gone.
+    await ended(client, handoff_id)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    proxy.start()
+    await proxy.ready()
+    reference = await complete(http, pair.prefill.url, "After the proxy's restart", MAX_TOKENS)
+    _, text = await proxy.complete(http, "After the proxy's restart", MAX_TOKENS, stream=False)
+    assert text == reference
