@@ -96,9 +96,11 @@ stubs: $(STAMP)
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_REQUIREMENTS := tests/vllm/requirements.txt
-$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+VLLM_CONSTRAINTS := tests/vllm/constraints.txt
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS) $(VLLM_CONSTRAINTS)
 	$(PYTHON) -m venv --clear $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $(VLLM_REQUIREMENTS) \
+		-c $(VLLM_CONSTRAINTS)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
 		nixl==1.5.1 nixl-cu12==1.5.1
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
