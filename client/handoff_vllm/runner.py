@@ -7,11 +7,11 @@ Why not the scheduler's thread: vLLM's scheduler loop is synchronous and,
 while a prefill holds delayed-free blocks, spins. A thread of its own gets
 the GIL at least every ``sys.getswitchinterval()`` (5 ms) from a spinning
 Python loop and at every torch kernel, which releases it; the lease needs a
-sign of life every few seconds, so heartbeats never lag that far
-(tests/vllm/test_faults.py's kill of the decode holds a prefill, spinning,
-for the delivery timeout, longer than the lease: a lease that expired then
-would hand the source to NIXL's 70 s lease and the prefill would not be
-idle within the test's 30 s).
+sign of life every few seconds. tests/vllm/test_faults.py's kill of the
+decode holds a prefill for longer than the lease and passes; but the demo
+and the benchmark saw this thread go 8 s without a heartbeat while its
+engine held blocks (bench/RESULTS.md): open, and if it is the GIL, the
+answer is a sidecar process of its own beside the engine core.
 """
 
 from __future__ import annotations
