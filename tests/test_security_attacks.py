@@ -450,3 +450,56 @@ def p95(values: list[float]) -> float:
 def await_lost(served: Served) -> int:
     """How many summary lines of a lost engine the server logged."""
     return served.log_text().count("engine lost (no live stream for 3.0 s)")
+
+
+VALID_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+async def test_trace_context_kept_with_a_handoff_is_bounded_and_valid(tmp_path: Path) -> None:
+    """Item 2: starts carrying a 6 KiB tracestate, or a malformed traceparent:
+    each handoff starts, and keeps only a valid traceparent and a tracestate
+    of at most 512 bytes (the rest dropped, counted)."""
+    state = tmp_path / "state"
+    oversized = "vendor=" + "x" * 6000
+    headers = [
+        (("traceparent", VALID_PARENT), ("tracestate", oversized)),
+        (("traceparent", VALID_PARENT.upper()), ("tracestate", "a=b")),
+        (("traceparent", "00-" + "0" * 32 + "-b7ad6b7169203331-01"), ("tracestate", "a=b")),
+        (("traceparent", "garbage" * 100),),
+    ]
+    starts = 100  # paced: a flood's share of the server is item 11's
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, "--state-dir", str(state)) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        before = await rate(client, 1.0)
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        loop = asyncio.get_running_loop()
+        began, completed = loop.time(), client.completed
+        for number in range(starts):
+            metadata = headers[number % len(headers)]
+            await stub.StartHandoff(start_request("t-src", "t-dst"), metadata=metadata)
+            await asyncio.sleep(0.02)  # pacing the attack, not waiting for an event
+        await stub.StartHandoff(
+            start_request("t-src", "t-dst"),
+            metadata=(("traceparent", VALID_PARENT), ("tracestate", "k=" + "v" * 500)),
+        )
+        during = (client.completed - completed) / (loop.time() - began)
+        dropped_parents = await metric(
+            served, 'handoff_trace_context_dropped_total{header="traceparent"}'
+        )
+        dropped_states = await metric(
+            served, 'handoff_trace_context_dropped_total{header="tracestate"}'
+        )
+        assert dropped_parents == starts // 4 * 3  # upper case, all-zero trace id, garbage
+        assert dropped_states == starts // 4 * 3  # oversized; without a valid traceparent
+        assert during >= 0.9 * before, (during, before)
+        assert_unharmed(client, served)
+    journal = b"".join(path.read_bytes() for path in state.iterdir() if path.is_file())
+    assert b"x" * 600 not in journal
+    assert b"garbage" not in journal
+    assert b"v" * 500 in journal  # 502 bytes: kept

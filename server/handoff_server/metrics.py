@@ -57,6 +57,13 @@ class Metrics:
             "Handoffs removed while still cleaning up after cleanup_timeout.",
             registry=r,
         )
+        self.trace_context_dropped = Counter(
+            "handoff_trace_context_dropped",
+            "StartHandoff trace context headers dropped, by header: not one valid W3C "
+            "traceparent, or a tracestate without one or over 512 bytes.",
+            ["header"],
+            registry=r,
+        )
         self.engines_lost = Counter(
             "handoff_engines_lost",
             "Engines declared lost in their unfinished handoffs, by cause: restarted (a new "
@@ -146,6 +153,10 @@ class Metrics:
             for origin in ("engine", "server")
         }
         self.handoffs_by = {p: self.handoffs.labels(p.value) for p in Phase}
+        self.trace_context_dropped_by = {
+            header: self.trace_context_dropped.labels(header)
+            for header in ("traceparent", "tracestate")
+        }
         self.engines_lost_by = {cause: self.engines_lost.labels(cause) for cause in LOST_CAUSES}
         # Zero-valued series exist from the start, so rate() and absent()
         # behave before the first event.

@@ -32,6 +32,7 @@ from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
 from handoff_server.registry import CallResult, Registry
 from handoff_server.shards import Misrouted, Shards
+from handoff_server.tracecontext import trace_context
 
 log = logging.getLogger("handoff.servicer")
 
@@ -49,7 +50,6 @@ MAX_OWED_BYTES = 256 * 1024
 # Built once: OutcomeKind.values() makes a new list on every call, and every
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
-TRACE_CONTEXT = ("traceparent", "tracestate")
 # Written on a stream that asked for heartbeats when it has been idle for the
 # heartbeat interval: the sidecar's lease counts from the last message it read.
 HEARTBEAT = pb.Action(kind=pb.ACTION_KIND_HEARTBEAT)
@@ -144,7 +144,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.StartHandoffResponse:
         try:
             start = convert.start_request(request)
-            if trace := _trace_context(context):
+            trace, dropped = trace_context(context.invocation_metadata() or ())
+            for header in dropped:
+                self.metrics.trace_context_dropped_by[header].inc()
+            if trace:
                 start = dataclasses.replace(start, trace_context=trace)
             self.shards.check_start(start.handoff_id, start.handoff_id in self.registry.handoffs)
             result = self.registry.start(start)
@@ -588,9 +591,3 @@ def _fact_subject(request: pb.ReportFactRequest) -> str:
 def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
     kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
     return f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
-
-
-def _trace_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
-    """The caller's W3C trace context headers, if any, for the journal."""
-    metadata = context.invocation_metadata() or ()
-    return tuple((key, str(value)) for key, value in metadata if key in TRACE_CONTEXT)
