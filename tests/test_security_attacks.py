@@ -503,3 +503,52 @@ async def test_trace_context_kept_with_a_handoff_is_bounded_and_valid(tmp_path: 
     assert b"x" * 600 not in journal
     assert b"garbage" not in journal
     assert b"v" * 500 in journal  # 502 bytes: kept
+
+
+async def test_an_engine_token_cannot_report_over_connect(tmp_path: Path) -> None:
+    """Item 9: the Canceled fact ReportFact refuses an engine-only token is
+    refused the same way inside a Connect message, and the handoff goes on."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"good {TOKEN}\nengine-only {ATTACKER} engine\n")
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, "--token-file", str(tokens)) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        good_stub: Stub = pb_grpc.HandoffCoordinatorStub(good)
+        started = await good_stub.StartHandoff(
+            start_request("victim-src", "victim-dst"), metadata=bearer(TOKEN)
+        )
+        handoff_id = started.handoff.handoff_id
+        cancel = pb.ReportFactRequest(handoff_id=handoff_id, fact=pb.Fact(canceled=pb.Canceled()))
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.ReportFact(cancel, metadata=bearer(ATTACKER))
+        assert unary.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+        async def requests() -> AsyncIterator[pb.ConnectRequest]:
+            yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id="victim-src", batch=True))
+            yield pb.ConnectRequest(reports=[pb.ConnectReport(request_id=1, fact=cancel)])
+            await asyncio.Event().wait()
+
+        call = stub.Connect(requests(), metadata=bearer(ATTACKER))
+        async for response in call:
+            if response.acks:
+                break
+        call.cancel()
+        (ack,) = response.acks
+        assert ack.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert ack.message == (
+            f"handoff {handoff_id}, fact canceled: "
+            "token engine-only may not call ReportFact (its scopes: engine)"
+        )
+        handoff = (
+            await good_stub.GetHandoff(
+                pb.GetHandoffRequest(handoff_id=handoff_id), metadata=bearer(TOKEN)
+            )
+        ).handoff
+        assert handoff.phase == pb.PHASE_ACTIVE
+        assert_unharmed(client, served)

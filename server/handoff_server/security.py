@@ -136,6 +136,13 @@ class Token:
         needed = next((scope for scope, rpcs in SCOPES.items() if rpc in rpcs), "read")
         return needed in self.scopes
 
+    def refusal(self, rpc: str) -> str | None:
+        """Why this token may not call ``rpc``; None if it may."""
+        if self.may_call(rpc):
+            return None
+        scopes = ", ".join(sorted(self.scopes)) or "none"
+        return f"{self} may not call {rpc[:80]} (its scopes: {scopes})"
+
     def __str__(self) -> str:
         return f"token {self.name}"
 

@@ -27,14 +27,17 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server import convert, security
 from handoff_server.delivery import Dispatch, Fenced, Subscription
+from handoff_server.guard import HOLDER
 from handoff_server.journal import JournalFailed
 from handoff_server.metrics import Metrics
 from handoff_server.model import HandoffError, InvalidArgument, ResourceExhausted
 from handoff_server.registry import CallResult, Registry
+from handoff_server.security import PermissionDenied
 from handoff_server.shards import Misrouted, Shards
 from handoff_server.tracecontext import trace_context
 
 log = logging.getLogger("handoff.servicer")
+REPORT_RPC = {"fact": "ReportFact", "outcome": "ReportOutcome"}
 
 STREAM_BATCH = 256
 # Reports in one Connect message at most: all of a message's reports are
@@ -392,6 +395,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         """Handle one report and write its acknowledgement where it will be sent."""
         which = request.WhichOneof("kind")
         try:
+            # A report on Connect needs the scope its unary call needs.
+            holder = HOLDER.get()
+            rpc = REPORT_RPC.get(which or "")
+            if holder is not None and rpc and (refused := holder.refusal(rpc)) is not None:
+                raise PermissionDenied(refused)
             if which == "fact":
                 result = self._report_fact(request.fact)
             elif which == "outcome":
