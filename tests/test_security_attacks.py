@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import stat
 import sys
 import time
 from collections import Counter
@@ -552,3 +553,52 @@ async def test_an_engine_token_cannot_report_over_connect(tmp_path: Path) -> Non
         ).handoff
         assert handoff.phase == pb.PHASE_ACTIVE
         assert_unharmed(client, served)
+
+
+async def serve_exit(state: Path) -> tuple[int, str]:
+    """A second `handoff serve` on ``state``: its exit code and output."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "handoff_server.cli",
+        "serve",
+        *("--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"),
+        *("--state-dir", str(state)),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, output.decode()
+
+
+async def test_the_state_dir_is_private_and_held_by_one_server(tmp_path: Path) -> None:
+    """Item 10: the state dir is 0700 and its files 0600; with its lock file
+    deleted a second server is still refused; a planted `lock` symlink is
+    not followed (its target is untouched) and the server says why."""
+    state = tmp_path / "state"
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, "--state-dir", str(state)) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in state.iterdir()}
+        assert set(modes.values()) == {0o600}, modes
+        (state / "lock").unlink()
+        code, output = await serve_exit(state)
+        assert code == 2, output
+        assert "is in use by another handoff server" in output
+        await client.completed_at_least(client.completed + MIN_COMPLETED)
+        assert_unharmed(client, served)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    target = tmp_path / "precious"
+    target.write_text("keep me\n")
+    (planted / "lock").symlink_to(target)
+    code, output = await serve_exit(planted)
+    assert code == 2, output
+    assert f"{planted / 'lock'}: not a regular file the server may write" in output
+    assert target.read_text() == "keep me\n"
