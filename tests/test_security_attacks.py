@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import ssl
 import stat
 import sys
 import time
@@ -40,7 +42,7 @@ from tests.attack_support import (
     serving,
     start_request,
 )
-from tests.security_support import Stub
+from tests.security_support import Stub, make_pki, secure_channel
 
 TOKEN = "attack-test-token-0123456789"
 ATTACKER = "attacker-token-0123456789ab"
@@ -602,3 +604,58 @@ async def test_the_state_dir_is_private_and_held_by_one_server(tmp_path: Path) -
     assert code == 2, output
     assert f"{planted / 'lock'}: not a regular file the server may write" in output
     assert target.read_text() == "keep me\n"
+
+
+async def test_a_client_certificate_without_a_san_has_its_own_quota(tmp_path: Path) -> None:
+    """Item 8: under mutual TLS, a certificate with no DNS or URI SAN is
+    identified by its SHA-256 fingerprint, so the per-identity start rate
+    applies to it as to any caller; the frontend with a SAN, starting within
+    the same limit meanwhile, is never refused. (The well-behaved client of
+    the other tests would exceed a limit this low on its own.)"""
+    pki = make_pki(tmp_path)
+    bare = pki.ca.issue("no-san")
+    fingerprint = hashlib.sha256(ssl.PEM_cert_to_DER_cert(bare.cert.decode())).hexdigest()
+    flags = (
+        *("--tls-cert", str(pki.server.cert_path), "--tls-key", str(pki.server.key_path)),
+        *("--tls-client-ca", str(pki.ca.cert_path)),
+        *("--max-starts-per-s-per-identity", "20"),
+    )
+    codes: Counter[str] = Counter()
+    details: set[str] = set()
+
+    async def flood(stub: Stub) -> None:
+        for _ in range(100):
+            try:
+                await stub.StartHandoff(start_request("bare-src", "bare-dst"))
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as error:
+                codes[error.code().name] += 1
+                details.add(error.details() or "")
+
+    async def frontend(stub: Stub) -> int:
+        for _ in range(10):
+            await stub.StartHandoff(start_request("good-src", "good-dst"))
+            await asyncio.sleep(0.1)  # 10 starts a second: within its limit
+        return 10
+
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        secure_channel(served.port, pki.ca.cert, pki.client) as good,
+        secure_channel(served.port, pki.ca.cert, bare) as bad,
+    ):
+        started, _ = await asyncio.gather(
+            frontend(pb_grpc.HandoffCoordinatorStub(good)),
+            flood(pb_grpc.HandoffCoordinatorStub(bad)),
+        )
+        assert started == 10
+        assert 20 <= codes["OK"] <= 45, codes  # a second's burst, then 20 a second
+        assert codes["RESOURCE_EXHAUSTED"] == 100 - codes["OK"]
+        assert details == {
+            f"certificate sha256:{fingerprint} starts more than 20 handoffs per second, "
+            "the limit per identity (max_starts_per_s_per_identity)"
+        }
+        assert served.rss_mib() < RSS_CEILING_MIB
+        log = served.log_text()
+        assert "Traceback" not in log
+        assert " ERROR " not in log
