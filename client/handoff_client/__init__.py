@@ -22,7 +22,7 @@ Which module owns what:
   transport; ``connect``: the Connect transport (one stream per engine).
 - ``link``: one coordinator's subscription, reconcile and lease;
   ``liveness``: what a transport last heard from it.
-- ``outbox``: one handoff's reports, sent in order, one at a time.
+- ``outbox``: one handoff's reports, landing in the order made.
 - ``cache``: what each action came to, so a redelivered one is answered again.
 - ``ledger``: per handoff side, what the engine did (tombstones against
   late or reordered actions).

@@ -14,7 +14,10 @@ sidecar's ordered outbox, retries and outcome cache work unchanged:
   server's headers say the subscription is registered. Closing the generator
   cancels the stream.
 - A report goes out on the live stream and returns when its acknowledgement
-  arrives. Reports queued together go out together, up to
+  arrives. ``send_fact``/``send_outcome`` return once it is on the stream
+  (what the outbox uses): a handoff's next report goes out behind it on the
+  same stream before its ack, since the server handles a stream's reports
+  in order. Reports queued together go out together, up to
   ``MAX_REPORTS_PER_MESSAGE`` in one message, and the server packs its acks
   and actions the same way (``ConnectHello.batch``): gRPC costs about the
   same per message whatever it carries. Acks come without the handoff's
@@ -53,6 +56,7 @@ from handoff_client.errors import (
 from handoff_client.liveness import Liveness
 from handoff_client.model import Action, Fact, Outcome
 from handoff_client.onshard import OnShard, ReconcilesOnShard
+from handoff_client.outbox import Sent
 from handoff_proto.v1 import coordinator_pb2 as pb
 
 # Actions read ahead of the sidecar. Past this the reader stops and leaves the
@@ -99,14 +103,22 @@ class ConnectTransport(ReconcilesOnShard):
         return self._subscribe(hello, on_subscribed)
 
     async def report_fact(self, handoff_id: str, fact: Fact) -> None:
-        report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
-        await self._report(pb.ConnectReport(fact=report))
+        await (await self.send_fact(handoff_id, fact, None)).landed
 
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None:
+        await (await self.send_outcome(handoff_id, action_id, outcome, None)).landed
+
+    async def send_fact(self, handoff_id: str, fact: Fact, after: Sent | None) -> Sent:
+        report = pb.ReportFactRequest(handoff_id=handoff_id, fact=fact_to_pb(fact))
+        return await self._send(pb.ConnectReport(fact=report), after)
+
+    async def send_outcome(
+        self, handoff_id: str, action_id: int, outcome: Outcome, after: Sent | None
+    ) -> Sent:
         report = pb.ReportOutcomeRequest(
             handoff_id=handoff_id, action_id=action_id, outcome=outcome_to_pb(outcome)
         )
-        await self._report(pb.ConnectReport(outcome=report))
+        return await self._send(pb.ConnectReport(outcome=report), after)
 
     @property
     def unacknowledged(self) -> int:
@@ -158,27 +170,47 @@ class ConnectTransport(ReconcilesOnShard):
     def _usable(self) -> bool:
         return self._live is not None and not self._live.ended
 
-    async def _report(self, request: pb.ConnectReport) -> None:
+    async def _send(self, request: pb.ConnectReport, after: Sent | None) -> Sent:
+        """Put ``request`` on the live stream; behind ``after`` (not answered
+        yet), on ``after``'s stream alone, which handles it after ``after``."""
         timeout_s = self._shard.timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                async with self._changed:
-                    await self._changed.wait_for(self._usable)
-                stream = self._live
-                assert stream is not None  # _usable, and nothing awaited since
-                self._last_request_id += 1
-                request.request_id = self._last_request_id
-                acknowledged = stream.send(request)
-                try:
-                    await acknowledged
-                finally:
-                    # Given up (deadline, cancel) or answered: either way its
-                    # ack no longer counts as owed.
-                    stream.pending.pop(request.request_id, None)
-        except TimeoutError:
-            raise DeadlineExceededError(
-                f"no acknowledgement on Connect within {timeout_s:g} s"
-            ) from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if after is not None:
+            if after.on is not self._live or not self._usable():
+                # Sent on another stream it could overtake ``after``'s retry.
+                raise UnavailableError("the report before it is unanswered on a stream that ended")
+        elif not self._usable():
+            try:
+                async with asyncio.timeout(timeout_s):
+                    async with self._changed:
+                        await self._changed.wait_for(self._usable)
+            except TimeoutError:
+                raise self._late(timeout_s) from None
+        stream = self._live
+        assert stream is not None  # _usable, and nothing awaited since
+        self._last_request_id += 1
+        request_id = request.request_id = self._last_request_id
+        acknowledged = stream.send(request)
+        timer = loop.call_at(deadline, self._expire, stream, request_id, timeout_s)
+
+        def settled(_: asyncio.Future[None]) -> None:
+            # Answered, expired or given up (cancelled): either way its ack no
+            # longer counts as owed.
+            timer.cancel()
+            stream.pending.pop(request_id, None)
+
+        acknowledged.add_done_callback(settled)
+        return Sent(acknowledged, stream)
+
+    def _expire(self, stream: _Stream, request_id: int, timeout_s: float) -> None:
+        acknowledged = stream.pending.pop(request_id, None)
+        if acknowledged is not None and not acknowledged.done():
+            acknowledged.set_exception(self._late(timeout_s))
+
+    @staticmethod
+    def _late(timeout_s: float) -> DeadlineExceededError:
+        return DeadlineExceededError(f"no acknowledgement on Connect within {timeout_s:g} s")
 
 
 class _Stream:

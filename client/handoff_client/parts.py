@@ -28,7 +28,7 @@ from handoff_client.link import CoordinatorLink
 from handoff_client.model import Origin
 from handoff_client.outbox import Outbox
 from handoff_client.retry import Backoff
-from handoff_client.transport import SidecarTransport
+from handoff_client.transport import Reports, SidecarTransport
 
 log = logging.getLogger("handoff.sidecar")
 
@@ -87,6 +87,7 @@ class ShardPart:
         self.ledger = Ledger(cache_size)
         self.cache = OutcomeCache(cache_size)
         self.outbox = Outbox(backoff, rng)
+        self.reports = Reports(transport)
         self.link = CoordinatorLink(
             transport,
             self,

@@ -618,13 +618,12 @@ class EngineSidecar:
     @staticmethod
     def _send_outcome(part: ShardPart, action: Action, outcome: Outcome) -> asyncio.Future[None]:
         return part.outbox.send(
-            action.handoff_id,
-            lambda: part.transport.report_outcome(action.handoff_id, action.id, outcome),
+            action.handoff_id, part.reports.outcome(action.handoff_id, action.id, outcome)
         )
 
     def _send_fact(self, handoff_id: str, fact: Fact) -> asyncio.Future[None]:
         part = self._owner(handoff_id)
-        return part.outbox.send(handoff_id, lambda: part.transport.report_fact(handoff_id, fact))
+        return part.outbox.send(handoff_id, part.reports.fact(handoff_id, fact))
 
     def _owner(self, handoff_id: str) -> ShardPart:
         """The shard a fact about ``handoff_id`` goes to: the one whose stream brought

@@ -25,6 +25,7 @@ from handoff_client.errors import HandoffRpcError
 from handoff_client.liveness import Liveness
 from handoff_client.model import Action, Fact, Outcome, Reconciled
 from handoff_client.onshard import OnShard, ReconcilesOnShard
+from handoff_client.outbox import Report, Sent, landing
 
 # What EngineSidecar(transport=...), `handoff sim` and `handoff demo` accept.
 TransportKind = Literal["connect", "unary"]
@@ -51,6 +52,47 @@ class SidecarTransport(Protocol):
     async def report_fact(self, handoff_id: str, fact: Fact) -> None: ...
 
     async def report_outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> None: ...
+
+
+@runtime_checkable
+class OrderedTransport(SidecarTransport, Protocol):
+    """A transport whose wire keeps reports in order (Connect: one stream,
+    handled in order), so a handoff's report can go out behind an earlier
+    one not answered yet: an outcome and the fact after it share a message.
+
+    ``send_*`` returns once the report is on the wire, with what ends when it
+    lands; given ``after`` (the handoff's previous report, unanswered), it is
+    put behind it on the same wire, or raises UnavailableError if that wire
+    is gone (it must then wait for ``after``'s retry).
+    """
+
+    async def send_fact(self, handoff_id: str, fact: Fact, after: Sent | None) -> Sent: ...
+
+    async def send_outcome(
+        self, handoff_id: str, action_id: int, outcome: Outcome, after: Sent | None
+    ) -> Sent: ...
+
+
+class Reports:
+    """The outbox's reports over one link's transport: pipelined where it keeps order."""
+
+    def __init__(self, transport: SidecarTransport) -> None:
+        self._transport = transport
+        self._ordered = transport if isinstance(transport, OrderedTransport) else None
+
+    def fact(self, handoff_id: str, fact: Fact) -> Report:
+        ordered = self._ordered
+        if ordered is not None:
+            return lambda after: ordered.send_fact(handoff_id, fact, after)
+        transport = self._transport
+        return landing(lambda: transport.report_fact(handoff_id, fact))
+
+    def outcome(self, handoff_id: str, action_id: int, outcome: Outcome) -> Report:
+        ordered = self._ordered
+        if ordered is not None:
+            return lambda after: ordered.send_outcome(handoff_id, action_id, outcome, after)
+        transport = self._transport
+        return landing(lambda: transport.report_outcome(handoff_id, action_id, outcome))
 
 
 @runtime_checkable

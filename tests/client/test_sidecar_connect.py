@@ -13,6 +13,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from handoff_client import (
     Completion,
     ConnectTransport,
     EngineSidecar,
+    EngineType,
     HandoffClient,
     LifecycleEventKind,
     Outcome,
@@ -42,8 +44,10 @@ from handoff_client.errors import (
 from handoff_client.model import Action
 from handoff_client.sidecar import Facts
 from handoff_client.transport import TRANSPORT_KINDS, TransportKind, make_transport
+from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.service.app import Server
-from tests.support.servers import FAST_RECONNECT
+from handoff_server.service.servicer import Servicer
+from tests.support.servers import FAST_RECONNECT, StartServer
 from tests.support.sidecar import (
     DESTINATION,
     SOURCE,
@@ -291,3 +295,56 @@ async def test_a_sidecar_restarted_beside_its_engine_resumes_its_actions(
     assert reserve.attempt == 2  # redelivered to the restarted sidecar
     assert first.count(ActionKind.RESERVE_DESTINATION) == 1
     assert new.session_id != old.session_id
+
+
+@pytest.fixture
+async def recorded(
+    start_lean_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Server, list[pb.ConnectRequest]]:
+    """A real server that keeps every Connect message it reads."""
+    read: list[pb.ConnectRequest] = []
+    connect = Servicer.Connect
+
+    def recording(
+        self: Servicer, requests: AsyncIterator[pb.ConnectRequest], context: Any
+    ) -> AsyncIterator[pb.ConnectResponse]:
+        async def kept() -> AsyncIterator[pb.ConnectRequest]:
+            async for request in requests:
+                read.append(request)
+                yield request
+
+        return connect(self, kept(), context)
+
+    monkeypatch.setattr(Servicer, "Connect", recording)  # bound when the server starts
+    return await start_lean_server(), read
+
+
+@pytest.mark.parametrize("stack", [EngineType.VLLM, EngineType.SGLANG])
+async def test_an_outcome_and_the_fact_after_it_leave_in_one_message(
+    recorded: tuple[Server, list[pb.ConnectRequest]], stack: EngineType
+) -> None:
+    # The sidecar sends a fact behind its action's outcome before the
+    # outcome's ack (the stream keeps them in order): a handoff's eight
+    # reports take five messages, not eight, and none is refused.
+    server, read = recorded
+    source, destination = ScriptedEngine(), ScriptedEngine()
+    async with (
+        HandoffClient(f"127.0.0.1:{server.port}", timeout_s=TIMEOUT_S) as client,
+        running(client, SOURCE, source) as s,
+        running(client, DESTINATION, destination) as d,
+        asyncio.timeout(TIMEOUT_S),
+    ):
+        handoff_id = await start(client, stack)
+        await source.notices[handoff_id].get()
+        await destination.notices[handoff_id].get()
+        handoff = await client.get_handoff(handoff_id)
+    assert handoff.completion is Completion.SUCCESS
+    messages = [
+        [report.WhichOneof("kind") for report in message.reports]
+        for message in read
+        if any(report.fact.handoff_id or report.outcome.handoff_id for report in message.reports)
+    ]
+    assert sorted(messages) == sorted(
+        [["outcome", "fact"]] * 3 + [["outcome"]] * 2
+    )  # SubmitPrefill, ReserveDestination and StartTransfer each with their fact
+    assert s.stats.reports_rejected == d.stats.reports_rejected == 0
