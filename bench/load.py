@@ -101,6 +101,11 @@ class LoadResult:
     unfinished: int = 0  # still in flight when the drain gave up
     skipped: int = 0  # open-loop starts not made: a second's worth was already in flight
     client_cpu_s: float = 0.0
+    # gRPC messages the load wrote and read (requests and responses, each stream
+    # message or unary call counted once), warm-up and drain included, the
+    # streams' openings not: per handoff, over ``total_completed``.
+    sent: int = 0
+    received: int = 0
 
 
 class Flight:
@@ -236,9 +241,11 @@ class StreamEngine(Engine):
             self.wake.clear()
             if self.pending.reports:
                 message, self.pending = self.pending, pb.ConnectRequest()
+                self.book.result.sent += 1
                 yield message
                 continue
             while self.singles:
+                self.book.result.sent += 1
                 yield self.singles.popleft()
             if self.closing:
                 return  # the half-close
@@ -246,6 +253,7 @@ class StreamEngine(Engine):
 
     async def _read(self) -> None:
         async for response in self.call:
+            self.book.result.received += 1
             acks = list(response.acks)
             if response.HasField("ack"):
                 acks.append(response.ack)
@@ -292,6 +300,7 @@ class UnaryEngine(Engine):
     async def _read(self) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             async for action in self.call:
+                self.book.result.received += 1
                 self.on_action(action)
 
     def report(
@@ -314,15 +323,20 @@ class UnaryEngine(Engine):
         fact: pb.Fact | None,
         flight: Flight,
     ) -> None:
+        result = self.book.result
         try:
+            result.sent += 1
             await self.stub.ReportOutcome(
                 pb.ReportOutcomeRequest(
                     handoff_id=handoff_id, action_id=action_id, outcome=pb.Outcome(kind=outcome)
                 )
             )
+            result.received += 1
             if fact is not None:
                 flight.fact_at = time.perf_counter()
+                result.sent += 1
                 await self.stub.ReportFact(pb.ReportFactRequest(handoff_id=handoff_id, fact=fact))
+                result.received += 1
         except grpc.aio.AioRpcError:
             self.book.result.rejected += 1
 
@@ -353,6 +367,7 @@ class Frontend:
         flight = Flight(2, asyncio.get_running_loop().create_future())
         book.flights[handoff_id] = flight
         book.result.started += 1
+        book.result.sent += 1
         try:
             await self.stub.StartHandoff(
                 pb.StartHandoffRequest(
@@ -367,6 +382,7 @@ class Frontend:
             book.result.rejected += 1
             book.flights.pop(handoff_id, None)
             return
+        book.result.received += 1
         if spec.frontend_only:
             book.finish(handoff_id, flight)
         await flight.done

@@ -19,7 +19,7 @@ Two kinds of engine drive it, on both paths:
 Heartbeats are off the count (the heartbeat interval is an hour). Startup
 (hellos, reconcile, shard map) is not counted: only what the handoffs cost.
 
-Run: .venv/bin/python -m bench.messages [--handoffs 100]
+Run: .venv/bin/python -m bench.messages [--handoffs 100] [--concurrency 128]
 """
 
 from __future__ import annotations
@@ -196,20 +196,30 @@ async def _sdk(target: str, transport: str, handoffs: int, server: CountingServe
         return server.count - before
 
 
-async def _bench(target: str, path: str, handoffs: int, server: CountingServer) -> Count:
+async def _bench(
+    target: str, path: str, handoffs: int, server: CountingServer, concurrency: int
+) -> Count:
     before = Counter(server.count)
-    spec = LoadSpec(target=target, path=path, pairs=1, concurrency=1, count=handoffs, warmup_s=0)
+    pairs = 1 if concurrency == 1 else 4  # as bench.service runs under load
+    spec = LoadSpec(
+        target=target,
+        path=path,
+        pairs=pairs,
+        concurrency=concurrency,
+        count=handoffs,
+        warmup_s=0,
+    )
     result = await run(spec)
     if result.rejected or result.completed != handoffs:
         raise RuntimeError(f"the load went wrong: {result}")
     # Opening the engines' streams is startup: one request each (the hello or
     # the subscription), not a handoff's.
     count = server.count - before
-    count["Connect" if path == "stream" else "StreamActions", "in"] -= 2
+    count["Connect" if path == "stream" else "StreamActions", "in"] -= 2 * pairs
     return count
 
 
-async def measure(engines: str, path: str, handoffs: int) -> Count:
+async def measure(engines: str, path: str, handoffs: int, concurrency: int = 1) -> Count:
     count: Count = Counter()
     settings = Settings(
         host="127.0.0.1", port=0, metrics_port=0, drain_grace_s=0.1, heartbeat_s=3600.0
@@ -221,7 +231,7 @@ async def measure(engines: str, path: str, handoffs: int) -> Count:
         if engines == "sdk":
             transport = "connect" if path == "stream" else "unary"
             return await _sdk(target, transport, handoffs, server)
-        return await _bench(target, path, handoffs, server)
+        return await _bench(target, path, handoffs, server, concurrency)
     finally:
         await server.stop()
 
@@ -240,6 +250,13 @@ def _row(engines: str, path: str, count: Count, handoffs: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--handoffs", type=int, default=100, help="per row, one at a time")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=0,
+        help="also count the bench's engines with this many handoffs in flight (4 pairs): "
+        "messages then carry several handoffs' items, so the count depends on timing",
+    )
     args = parser.parse_args()
     print(f"messages per handoff, {args.handoffs} handoffs one at a time, both orders alternating")
     print("| engines | path | engine→server | server→engine | total | per RPC (in/out) |")
@@ -248,6 +265,11 @@ def main() -> None:
         for path in ("stream", "unary"):
             count = asyncio.run(measure(engines, path, args.handoffs))
             print(_row(engines, path, count, args.handoffs), flush=True)
+    if args.concurrency:
+        print(f"\nthe bench's engines, {args.concurrency} in flight over 4 pairs")
+        for path in ("stream", "unary"):
+            count = asyncio.run(measure("bench", path, args.handoffs, args.concurrency))
+            print(_row("bench", path, count, args.handoffs), flush=True)
 
 
 if __name__ == "__main__":

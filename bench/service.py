@@ -82,6 +82,14 @@ class Measured:
         return self.server_cpu_s / done * 1e6 if done else float("nan")
 
     @property
+    def messages(self) -> str:
+        """gRPC messages per handoff, to the server / from it, as the load counted them."""
+        done = self.result.total_completed
+        if not done:
+            return "-"
+        return f"{self.result.sent / done:.1f} / {self.result.received / done:.1f}"
+
+    @property
     def utilisation(self) -> float:
         return self.server_cpu_s / self.wall_s if self.wall_s else 0.0
 
@@ -103,6 +111,8 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
         merged.unfinished += r.unfinished
         merged.skipped += r.skipped
         merged.client_cpu_s += r.client_cpu_s
+        merged.sent += r.sent
+        merged.received += r.received
         merged.handoff_s += r.handoff_s
         merged.fact_to_action_s += r.fact_to_action_s
     return merged
@@ -147,7 +157,7 @@ def row(m: Measured) -> str:
         f"| {m.path} | {m.server} | {m.mode} | {m.rate:,.0f} | {m.cpu_per_handoff_us:,.0f} | "
         f"{m.utilisation:.0%} | {ms(percentile(r.handoff_s, 0.5))} | "
         f"{ms(percentile(r.handoff_s, 0.99))} | {ms(percentile(r.fact_to_action_s, 0.99))} | "
-        f"{r.rejected + r.unfinished} |"
+        f"{m.messages} | {r.rejected + r.unfinished} |"
     )
 
 
@@ -512,8 +522,9 @@ def shard_table(
 def throughput_table(measured: list[Measured]) -> list[str]:
     lines = [
         "| path | server | load | handoffs/s | server CPU µs/handoff | server CPU use | "
-        "handoff p50 ms | handoff p99 ms | fact→action p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "handoff p50 ms | handoff p99 ms | fact→action p99 ms | messages/handoff (in / out) "
+        "| errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [row(m) for m in measured]
     floors = {m.path: m for m in measured if m.server == "floor"}
@@ -531,7 +542,9 @@ def throughput_table(measured: list[Measured]) -> list[str]:
         "Latencies are client-side (one clock in the load process): handoff = StartHandoff "
         "sent to the last Complete received; fact→action = fact sent to the action it caused "
         "received by its engine. Server CPU = utime+stime of the server process (all threads) "
-        "over the run, warm-up and drain included, divided by the handoffs completed in it.",
+        "over the run, warm-up and drain included, divided by the handoffs completed in it. "
+        "Messages: the gRPC messages the load wrote (in) and read (out), stream messages and "
+        "unary calls alike, over the same handoffs.",
     ]
     return lines
 
