@@ -41,8 +41,10 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("google/protobuf", "protobuf runtime"),
     ("grpc/_cython", "gRPC core (Cython) + its callbacks"),
     ("grpc/", "gRPC Python"),
-    ("asyncio/", "asyncio loop"),
-    ("uvloop", "asyncio loop"),
+    # gRPC's Cython callbacks have no Python frame: their time lands on the
+    # loop's frame that called them.
+    ("asyncio/", "asyncio loop + gRPC's Cython callbacks"),
+    ("uvloop", "asyncio loop + gRPC's Cython callbacks"),
 )
 FRAME = re.compile(r"\((?P<file>[^():]+)(?::\d+)?\)$")
 
@@ -56,7 +58,7 @@ def area(stack: str) -> str:
         for pattern, name in AREAS:
             if pattern in path:
                 return name
-    return "other (threads without Python frames, builtins)"
+    return "gRPC's own threads, other native frames"
 
 
 def profile(path: str, duration_s: float, rate: int) -> Counter[str]:
