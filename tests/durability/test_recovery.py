@@ -10,6 +10,7 @@ engine. Then both go on with the same calls and must stay equal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import tempfile
@@ -28,6 +29,8 @@ from handoff_server.domain.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     Failed,
@@ -176,13 +179,27 @@ def state(registry: Registry) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for handoff_id, entry in registry.handoffs.items():
         core = entry.core if isinstance(entry, Entry) else entry.unpack().core
+        message = convert.handoff(entry)
+        # A handoff replayed from history gets only what each call itself
+        # says (not why the server lost an engine, nor drain's or a cancel's
+        # text): the journal does not keep those per call yet (issue 25).
+        message.ClearField("end_reasons")
+        reasons = tuple(journaled(r) for r in entry.reasons)
         out[handoff_id] = (
-            convert.handoff(entry).SerializeToString(deterministic=True),
+            message.SerializeToString(deterministic=True),
             core.snapshot(),
             entry.deadline,
             tuple(sorted(entry.routed.items())) if isinstance(entry, Entry) else (),
+            reasons,
         )
     return out
+
+
+def journaled(reason: EndReason) -> EndReason:
+    """What of a reason an unfinished handoff's history gives back."""
+    cause = EndCause.FRONTEND_CANCELED if reason.cause is EndCause.DRAIN else reason.cause
+    detail = reason.detail if cause is EndCause.ACTION_FAILED else ""
+    return dataclasses.replace(reason, cause=cause, lost_cause=None, detail=detail)
 
 
 @settings(

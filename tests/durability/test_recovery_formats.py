@@ -17,6 +17,7 @@ from handoff_server.domain.entries import Entry, Retained, StartRequest
 from handoff_server.domain.model import (
     Canceled,
     DestinationReserved,
+    EndCause,
     EngineLost,
     Order,
     Outcome,
@@ -29,7 +30,12 @@ from handoff_server.domain.model import (
 )
 from handoff_server.domain.registry import NOT_RECORDING, Registry
 from handoff_server.durability.journal import DATABASE, FORMAT_VERSION, Journal
-from handoff_server.durability.records import RETAINED, JournalRecorder
+from handoff_server.durability.records import (
+    RETAINED,
+    JournalRecorder,
+    decode_retained,
+    encode_retained,
+)
 from handoff_server.durability.recovery import ReplayClock, recover
 from handoff_server.ops.metrics import Metrics
 from tests.durability.test_recovery import state
@@ -96,7 +102,7 @@ def test_a_format_1_journal_recovers_as_its_history_ran(tmp_path: Path) -> None:
     assert state(again) == state(registry)
     with sqlite3.connect(tmp_path / DATABASE) as db:
         version = db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
-    assert version == FORMAT_VERSION == 2
+    assert version == FORMAT_VERSION == 3
 
 
 def test_a_completed_handoff_is_one_record_and_a_reopened_one_replays_from_it(
@@ -150,3 +156,32 @@ def test_a_completed_handoff_is_one_record_and_a_reopened_one_replays_from_it(
     assert records(tmp_path, h) == [RETAINED]
     _, last, _ = recovered(tmp_path, clock)
     assert state(last) == state(registry)
+
+
+def test_end_reasons_survive_a_restart_and_a_format_2_row_reads_unspecified(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    journal, registry, _ = recovered(tmp_path, clock)
+    failed, active = "failed", "active"
+    for handoff_id in (failed, active):
+        registry.start(StartRequest(handoff_id, Order.SOURCE_FIRST, "p", "d", 5.0))
+    registry.report_outcome(failed, 0, Outcome(OutcomeKind.FAILED, "out of KV blocks"))
+    registry.report_fact(active, Canceled())  # cleaning up: CancelSource outstanding
+    before = {h: registry.get(h).reasons for h in (failed, active)}
+    assert before[failed][0].detail == "out of KV blocks"
+    journal.commit_now()
+    journal.close_now()
+    registry.recorder = NOT_RECORDING
+    _, again, _ = recovered(tmp_path, clock)
+    assert {h: again.get(h).reasons for h in (failed, active)} == before
+
+    # Its source lost, nothing is owed: it completes, and is retained.
+    again.report_fact(failed, EngineLost(Role.SOURCE))
+    retained = again.get(failed)
+    assert isinstance(retained, Retained)
+    row = encode_retained(retained)
+    assert decode_retained(failed, row, {}).reasons == retained.reasons
+    # A format 2 retained row ends at the next action id: no reasons in it.
+    old = decode_retained(failed, row[:-1], {})
+    assert [r.cause for r in old.reasons] == [EndCause.UNSPECIFIED]

@@ -19,6 +19,7 @@ received anything) runs as calls of its own once the first is done.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -37,6 +38,8 @@ from handoff_server.domain.model import (
     AlreadyExists,
     Canceled,
     Completion,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     HandoffError,
@@ -245,10 +248,14 @@ class Registry:
         self.tracer.started(entry, ctx.get("traceparent", ""), ctx.get("tracestate", ""), now)
         return CallResult(entry, self._call(entry, request, Handoff.start, now=now))
 
-    def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
+    def report_fact(
+        self, handoff_id: str, fact: Fact, origin: str = "engine", detail: str = ""
+    ) -> CallResult:
+        """``detail``: the caller's reason text (a frontend's CancelHandoff)."""
         entry = self._unpacked(handoff_id)
+        reason = dataclasses.replace(entry.reason_for(fact), detail=detail)
         dispatches = self._call(
-            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, origin)
+            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, origin), reason=reason
         )
         self.metrics.facts_by[(fact.kind, origin)].inc()
         if isinstance(fact, EngineLost):
@@ -263,6 +270,7 @@ class Registry:
             (action_id, outcome),
             lambda core: core.apply_outcome(action_id, outcome),
             acknowledged=(action_id, outcome) if acknowledging else None,
+            reason=entry.reason_for((action_id, outcome)),
         )
         return CallResult(entry, dispatches)
 
@@ -275,7 +283,7 @@ class Registry:
         ]
         for entry in active:
             log.warning("canceling handoff: %s", reason, extra={"handoff_id": entry.handoff_id})
-            self._server_fact(entry, Canceled())
+            self._server_fact(entry, Canceled(), EndReason(EndCause.DRAIN, detail=reason))
         return len(active)
 
     # --- engine streams ---------------------------------------------------
@@ -385,7 +393,7 @@ class Registry:
             if kind is TimerKind.DEADLINE:
                 log.warning("handoff deadline passed", extra={"handoff_id": key})
                 self.metrics.timed_out.inc()
-                self._server_fact(entry, TimedOut())
+                self._server_fact(entry, TimedOut(), EndReason(EndCause.DEADLINE))
             elif kind is TimerKind.REDELIVER:
                 self._redeliver_cleanup(entry, now)
             else:
@@ -433,6 +441,7 @@ class Registry:
         acknowledged: tuple[int, Outcome] | None = None,
         now: float | None = None,
         fact: tuple[Fact, str] | None = None,
+        reason: EndReason | None = None,
     ) -> tuple[Dispatch, ...]:
         core = entry.core
         checkpoint = core.checkpoint()
@@ -458,6 +467,7 @@ class Registry:
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         entry.stamp(events_before, now)
+        entry.end(phase_before, completion_before, reason or entry.reason_for(recorded))
         self.tracer.called(entry, fact, phase_before, completion_before, now)
         dispatches = tuple(self._route(entry, action, now) for action in actions)
         self._after_transition(entry, phase_before, completion_before, now)
@@ -566,6 +576,8 @@ class Registry:
             assert completion is not None
             entry.completed_at = now
             self.metrics.completed_by[completion].inc()
+            if completion is Completion.CANCELED:
+                self.metrics.cancellations_by[entry.reasons[-1].cause].inc()
             self.tracer.completed(entry, completion, now)
             duration = now - entry.started_at
             self.metrics.duration_by[completion].observe(duration, self.tracer.exemplar(entry))
@@ -596,9 +608,11 @@ class Registry:
             (entry.cleanup_epoch, 0),
         )
 
-    def _server_fact(self, entry: Entry, fact: Fact) -> None:
+    def _server_fact(self, entry: Entry, fact: Fact, reason: EndReason) -> None:
         """A fact the server observed itself: a deadline, a lost engine, shutdown."""
-        self._call(entry, fact, lambda core: core.apply_fact(fact), fact=(fact, "server"))
+        self._call(
+            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, "server"), reason=reason
+        )
         self.metrics.facts_by[(fact.kind, "server")].inc()
         if isinstance(fact, EngineLost):
             self._forsake(entry, fact.role)
@@ -634,6 +648,7 @@ class Registry:
         ]
         if not affected:
             return
+        unreachable = LostCause.UNREACHABLE  # None: found unreachable at its start
         if cause is not None:
             self.metrics.engines_lost_by[cause].inc()
             log.warning(
@@ -652,7 +667,8 @@ class Registry:
                         role.value,
                         extra={"handoff_id": entry.handoff_id},
                     )
-                    self._server_fact(entry, EngineLost(role))
+                    why = EndReason(EndCause.ENGINE_LOST, role, engine_id, cause or unreachable)
+                    self._server_fact(entry, EngineLost(role), why)
 
     def _forsake(self, entry: Entry, role: Role) -> None:
         """Nothing for ``role`` is owed to its engine any more (it was lost)."""

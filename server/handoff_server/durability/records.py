@@ -21,15 +21,20 @@ from handoff_server.domain.core import (
     SourceStage,
     TransferStage,
 )
-from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.entries import ONLY_SUCCEEDED, Retained, StartRequest
 from handoff_server.domain.model import (
+    UNSPECIFIED_END,
+    ActionKind,
     Canceled,
     Completion,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     Failed,
     LifecycleEvent,
+    LostCause,
     Order,
     Outcome,
     OutcomeKind,
@@ -133,7 +138,40 @@ def encode_retained(retained: Retained) -> list[object]:
         [destination[0].value, destination[1].value, destination[2]],
         [transfer[0].value, transfer[1]],
         next_id,
+        [_reason(reason) for reason in retained.reasons],
     ]
+
+
+def _reason(reason: EndReason) -> list[Any]:
+    return [
+        reason.cause.value,
+        None if reason.role is None else reason.role.value,
+        reason.engine_id,
+        None if reason.lost_cause is None else reason.lost_cause.value,
+        None if reason.action is None else reason.action.value,
+        reason.detail,
+    ]
+
+
+def _reasons(body: list[list[Any]]) -> tuple[EndReason, ...]:
+    """The reasons a format 3 row keeps; a format 2 row has none (unspecified)."""
+    if not body:
+        return (UNSPECIFIED_END,)
+    reasons = tuple(
+        EndReason(
+            EndCause(cause),
+            None if role is None else Role(role),
+            sys.intern(engine_id),
+            None if lost is None else LostCause(lost),
+            None if action is None else ActionKind(action),
+            detail,
+        )
+        for cause, role, engine_id, lost, action, detail in body
+    )
+    return ONLY_SUCCEEDED if reasons == ONLY_SUCCEEDED else reasons
+
+
+ENDING_FIELDS = 6  # completion, lifecycle, source, destination, transfer, next id
 
 
 def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]) -> Retained:
@@ -146,6 +184,7 @@ def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]
     (_, order, source_id, destination_id, fallback, executor, trace, times, lifecycle_at, *end) = (
         body
     )
+    reasons = _reasons(end.pop() if len(end) > ENDING_FIELDS else [])
     key = f"{order} {end!r}"
     shared = endings.get(key)
     if shared is None:
@@ -157,6 +196,7 @@ def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]
         Role(executor),
         tuple((name, value) for name, value in trace),
         times + lifecycle_at,
+        reasons,
     )
 
 

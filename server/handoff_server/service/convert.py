@@ -20,11 +20,14 @@ from handoff_server.domain.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     Failed,
     InvalidArgument,
     LifecycleEvent,
+    LostCause,
     Order,
     Outcome,
     OutcomeKind,
@@ -78,6 +81,8 @@ ROLES = {
 }
 PHASES = {phase: pb.Phase.Value("PHASE_" + phase.name) for phase in Phase}
 COMPLETIONS = {c: pb.Completion.Value("COMPLETION_" + c.name) for c in Completion}
+END_CAUSES = {c: pb.EndCause.Value("END_CAUSE_" + c.name) for c in EndCause}
+LOST_CAUSES = {c: pb.LostCause.Value("LOST_CAUSE_" + c.name) for c in LostCause}
 PB_ORDERS = {order: value for value, order in ORDERS.items()}
 EVENTS = {
     event: pb.LifecycleEventKind.Value("LIFECYCLE_EVENT_KIND_" + event.name)
@@ -290,6 +295,20 @@ def handoff(entry: Entry | Retained) -> pb.Handoff:
         message.completed_at.FromNanoseconds(_nanoseconds(entry.completed_at))
     if entry.abandoned_at is not None:
         message.abandoned = True
+    message.end_reasons.extend([end_reason(r) for r in entry.reasons])
+    return message
+
+
+def end_reason(reason: EndReason) -> pb.EndReason:
+    message = pb.EndReason(
+        cause=END_CAUSES[reason.cause], engine_id=reason.engine_id, detail=reason.detail
+    )
+    if reason.role is not None:
+        message.role = ROLES[reason.role]
+    if reason.lost_cause is not None:
+        message.lost_cause = LOST_CAUSES[reason.lost_cause]
+    if reason.action is not None:
+        message.action = ACTION_KINDS[reason.action]
     return message
 
 
