@@ -10,7 +10,6 @@ engine. Then both go on with the same calls and must stay equal.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sqlite3
 import tempfile
@@ -29,8 +28,6 @@ from handoff_server.domain.model import (
     Canceled,
     Completion,
     DestinationReserved,
-    EndCause,
-    EndReason,
     EngineLost,
     Fact,
     Failed,
@@ -175,31 +172,18 @@ class World:
 
 
 def state(registry: Registry) -> dict[str, Any]:
-    """Everything a handoff is, as comparable values."""
+    """Everything a handoff is, as comparable values (why it ended included)."""
     out: dict[str, Any] = {}
     for handoff_id, entry in registry.handoffs.items():
         core = entry.core if isinstance(entry, Entry) else entry.unpack().core
-        message = convert.handoff(entry)
-        # A handoff replayed from history gets only what each call itself
-        # says (not why the server lost an engine, nor drain's or a cancel's
-        # text): the journal does not keep those per call yet (issue 25).
-        message.ClearField("end_reasons")
-        reasons = tuple(journaled(r) for r in entry.reasons)
         out[handoff_id] = (
-            message.SerializeToString(deterministic=True),
+            convert.handoff(entry).SerializeToString(deterministic=True),
             core.snapshot(),
             entry.deadline,
             tuple(sorted(entry.routed.items())) if isinstance(entry, Entry) else (),
-            reasons,
+            entry.reasons,
         )
     return out
-
-
-def journaled(reason: EndReason) -> EndReason:
-    """What of a reason an unfinished handoff's history gives back."""
-    cause = EndCause.FRONTEND_CANCELED if reason.cause is EndCause.DRAIN else reason.cause
-    detail = reason.detail if cause is EndCause.ACTION_FAILED else ""
-    return dataclasses.replace(reason, cause=cause, lost_cause=None, detail=detail)
 
 
 @settings(

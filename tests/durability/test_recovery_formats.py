@@ -15,13 +15,18 @@ from pathlib import Path
 
 from handoff_server.domain.entries import Entry, Retained, StartRequest
 from handoff_server.domain.model import (
+    ALLOWED_OUTCOMES,
     Canceled,
     DestinationReserved,
     EndCause,
+    EndReason,
     EngineLost,
+    Failed,
+    LostCause,
     Order,
     Outcome,
     OutcomeKind,
+    Phase,
     Role,
     SourceHeld,
     TimingMode,
@@ -185,3 +190,51 @@ def test_end_reasons_survive_a_restart_and_a_format_2_row_reads_unspecified(
     # A format 2 retained row ends at the next action id: no reasons in it.
     old = decode_retained(failed, row[:-1], {})
     assert [r.cause for r in old.reasons] == [EndCause.UNSPECIFIED]
+
+
+def test_why_an_unfinished_handoff_ended_survives_a_restart_and_its_completion(
+    tmp_path: Path,
+) -> None:
+    """What only the server knew (why it lost an engine, a drain, the caller's
+    text) is journaled with the fact, not derived from it on recovery."""
+    clock = FakeClock()
+    journal, registry, _ = recovered(tmp_path, clock)
+    source = registry.subscribe("p", lambda: None)
+    ids = ("canceled", "failed", "reconciled", "drained")
+    for handoff_id in ids:
+        registry.start(StartRequest(handoff_id, Order.SOURCE_FIRST, "p", "d", 5.0))
+    assert registry.take(source, 100)  # each SubmitPrefill reached p: its cleanup is owed
+    registry.report_fact("canceled", Canceled(), detail="client went away")
+    registry.report_fact("failed", Failed(), detail="router gave up")
+    registry.reconcile("d", [], [("reconciled", Role.DESTINATION)])
+    registry.cancel_active("server shutting down")
+    before = {h: registry.get(h).reasons for h in ids}
+    assert before == {
+        "canceled": (EndReason(EndCause.FRONTEND_CANCELED, detail="client went away"),),
+        "failed": (EndReason(EndCause.FAILED, detail="router gave up"),),
+        "reconciled": (
+            EndReason(EndCause.ENGINE_LOST, Role.DESTINATION, "d", LostCause.RECONCILED),
+        ),
+        "drained": (EndReason(EndCause.DRAIN, detail="server shutting down"),),
+    }
+    assert all(registry.get(h).core.phase is Phase.CLEANING_UP for h in ids)
+    journal.commit_now()
+    journal.close_now()
+    registry.recorder = NOT_RECORDING
+    journal, again, _ = recovered(tmp_path, clock)
+    assert state(again) == state(registry)
+
+    # Their cleanup answered, each completes with the reason it had, and
+    # keeps it in its retained row.
+    for world in (registry, again):
+        for handoff_id in ids:
+            entry = world.get(handoff_id)
+            assert isinstance(entry, Entry)
+            for action in list(entry.core.outstanding):
+                kind = min(ALLOWED_OUTCOMES[action.kind], key=lambda k: k.value)
+                world.report_outcome(handoff_id, action.id, Outcome(kind))
+            assert isinstance(world.get(handoff_id), Retained)
+    journal.commit_now()
+    journal.close_now()
+    _, last, _ = recovered(tmp_path, clock)
+    assert state(last) == state(registry)

@@ -82,7 +82,11 @@ Recorded = StartRequest | Fact | tuple[int, Outcome]
 class Recorder(Protocol):
     """Where accepted calls go to be made durable: records.JournalRecorder."""
 
-    def record(self, handoff_id: str, at: float, call: Recorded) -> None: ...
+    def record(
+        self, handoff_id: str, at: float, call: Recorded, reason: EndReason | None = None
+    ) -> None:
+        """``reason``: why the call would end the handoff, when the call does not
+        say it by itself (a lost engine's cause, a drain, a caller's text)."""
 
     def abandoned(self, handoff_id: str, at: float) -> None: ...
 
@@ -101,7 +105,9 @@ class NotRecording:
 
     __slots__ = ()
 
-    def record(self, handoff_id: str, at: float, call: Recorded) -> None:
+    def record(
+        self, handoff_id: str, at: float, call: Recorded, reason: EndReason | None = None
+    ) -> None:
         pass
 
     def abandoned(self, handoff_id: str, at: float) -> None:
@@ -249,11 +255,18 @@ class Registry:
         return CallResult(entry, self._call(entry, request, Handoff.start, now=now))
 
     def report_fact(
-        self, handoff_id: str, fact: Fact, origin: str = "engine", detail: str = ""
+        self,
+        handoff_id: str,
+        fact: Fact,
+        origin: str = "engine",
+        detail: str = "",
+        reason: EndReason | None = None,
     ) -> CallResult:
-        """``detail``: the caller's reason text (a frontend's CancelHandoff)."""
+        """``detail``: the caller's reason text (Canceled's or Failed's);
+        ``reason``: the whole reason, as the journal kept it (recovery)."""
         entry = self._unpacked(handoff_id)
-        reason = dataclasses.replace(entry.reason_for(fact), detail=detail)
+        if detail and reason is None:
+            reason = dataclasses.replace(entry.reason_for(fact), detail=detail)
         dispatches = self._call(
             entry, fact, lambda core: core.apply_fact(fact), fact=(fact, origin), reason=reason
         )
@@ -270,7 +283,6 @@ class Registry:
             (action_id, outcome),
             lambda core: core.apply_outcome(action_id, outcome),
             acknowledged=(action_id, outcome) if acknowledging else None,
-            reason=entry.reason_for((action_id, outcome)),
         )
         return CallResult(entry, dispatches)
 
@@ -443,10 +455,16 @@ class Registry:
         fact: tuple[Fact, str] | None = None,
         reason: EndReason | None = None,
     ) -> tuple[Dispatch, ...]:
+        """``reason``: why it ended, if the call ends it and says more than
+        ``recorded`` does by itself (Entry.reason_for); the journal keeps it."""
         core = entry.core
         checkpoint = core.checkpoint()
         phase_before, completion_before = core.phase, core.completion
         events_before = len(entry.lifecycle_at)
+        # Before the call: an answered action is still routed.
+        said = entry.reason_for(recorded)
+        if reason == said:
+            reason = None
         try:
             actions = call(core)
         except HandoffError:
@@ -463,11 +481,11 @@ class Registry:
             now = self.clock()
         # Recorded before anything the call sets off (an eviction, the
         # follow-ups), so the journal keeps the order it happened in.
-        self.recorder.record(entry.handoff_id, now, recorded)
+        self.recorder.record(entry.handoff_id, now, recorded, reason)
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         entry.stamp(events_before, now)
-        entry.end(phase_before, completion_before, reason or entry.reason_for(recorded))
+        entry.end(phase_before, completion_before, reason or said)
         self.tracer.called(entry, fact, phase_before, completion_before, now)
         dispatches = tuple(self._route(entry, action, now) for action in actions)
         self._after_transition(entry, phase_before, completion_before, now)

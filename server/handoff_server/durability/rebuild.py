@@ -96,12 +96,14 @@ class Rebuild:
             self._acknowledge(action_id, outcome)
         self._after(seq, at, actions, phase, events, reason)
 
-    def fact(self, seq: int, at: float, fact: Fact) -> None:
+    def fact(self, seq: int, at: float, fact: Fact, reason: EndReason | None = None) -> None:
+        """``reason``: the one its record kept, if the fact does not say it by itself."""
         entry = self.entry
         core = entry.core
         phase, events = core.phase, len(entry.lifecycle_at)
         actions = self._core_call(core.apply_fact, fact)
-        pending = self._after(seq, at, actions, phase, events, entry.reason_for(fact), take=False)
+        reason = reason or entry.reason_for(fact)
+        pending = self._after(seq, at, actions, phase, events, reason, take=False)
         if isinstance(fact, EngineLost) and actions is not None and not self.needs_registry:
             role = fact.role
             self.forsake(role, entry.engine_for(role)[0])
