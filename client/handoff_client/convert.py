@@ -40,7 +40,6 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 _ACTION_KINDS = {kind.value for kind in ActionKind}
 _ROLES = {role.value for role in Role}
 _COMPLETIONS = {completion.value for completion in Completion}
-_KNOWN_KINDS = _ACTION_KINDS - {ActionKind.UNKNOWN.value}
 _END_CAUSES = {cause.value for cause in EndCause}
 _LOST_CAUSES = {cause.value for cause in LostCause}
 
@@ -63,6 +62,9 @@ def action_from_pb(message: pb.Action) -> Action:
         completion=Completion(message.completion) if message.completion in _COMPLETIONS else None,
         traceparent=message.traceparent,
         tracestate=message.tracestate,
+        end_reason=end_reason_from_pb(message.end_reason)
+        if message.HasField("end_reason")
+        else None,
     )
 
 

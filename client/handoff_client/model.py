@@ -238,6 +238,8 @@ class Action:
     # COORDINATOR for every action the server sent; else a free the sidecar made
     # up (id MADE_UP_ACTION_ID, attempt 0), which rule 1's de-duplication skips.
     origin: Origin = Origin.COORDINATOR
+    # COMPLETE only: why the handoff ended; None from an older server.
+    end_reason: EndReason | None = None
 
 
 class EndCause(enum.Enum):

@@ -3,6 +3,7 @@ cause of its transition into cleanup (the core does not change)."""
 
 from __future__ import annotations
 
+from handoff_server.domain.entries import Entry
 from handoff_server.domain.model import (
     ActionKind,
     Canceled,
@@ -112,3 +113,30 @@ def test_a_success_has_no_cancellation() -> None:
     h.succeed(handoff_id)
     assert [r.cause for r in h.registry.get(handoff_id).reasons] == [EndCause.SUCCEEDED]
     assert h.value("handoff_cancellations_total", reason="unspecified") == 0
+
+
+def test_a_side_its_sidecar_freed_is_lost_as_reconciled() -> None:
+    h = Harness()
+    handoff_id = h.start()
+    h.registry.reconcile(SOURCE, [], [(handoff_id, Role.SOURCE)])
+    (reason,) = h.registry.get(handoff_id).reasons
+    assert reason == EndReason(EndCause.ENGINE_LOST, Role.SOURCE, SOURCE, LostCause.RECONCILED)
+    assert reason.describe() == "engine_lost: source prefill-a (reconciled)"
+
+
+def test_the_complete_notice_carries_the_newest_reason() -> None:
+    h = Harness()
+    h.subscribe(SOURCE)
+    h.subscribe(DESTINATION)
+    handoff_id = h.start()
+    h.succeed(handoff_id)
+    (first,) = [d for d in h.drain(SOURCE) if d.action.kind is ActionKind.COMPLETE]
+    assert first.reason == EndReason(EndCause.SUCCEEDED)
+    h.registry.report_fact(handoff_id, Canceled(), detail="client went away")
+    reopened = h.registry.get(handoff_id)
+    assert isinstance(reopened, Entry)
+    for action in list(reopened.core.outstanding):  # CancelDestination
+        h.registry.report_outcome(handoff_id, action.id, Outcome(OutcomeKind.APPLIED))
+    (second,) = [d for d in h.drain(DESTINATION) if d.action.kind is ActionKind.COMPLETE][-1:]
+    assert second.reason == EndReason(EndCause.FRONTEND_CANCELED, detail="client went away")
+    assert [d.reason for d in h.drain(SOURCE)] == [second.reason]  # to both engines

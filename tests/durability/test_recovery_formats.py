@@ -16,6 +16,7 @@ from pathlib import Path
 from handoff_server.domain.entries import Entry, Retained, StartRequest
 from handoff_server.domain.model import (
     ALLOWED_OUTCOMES,
+    ActionKind,
     Canceled,
     DestinationReserved,
     EndCause,
@@ -224,8 +225,8 @@ def test_why_an_unfinished_handoff_ended_survives_a_restart_and_its_completion(
     journal, again, _ = recovered(tmp_path, clock)
     assert state(again) == state(registry)
 
-    # Their cleanup answered, each completes with the reason it had, and
-    # keeps it in its retained row.
+    # Their cleanup answered, each completes with the reason it had, as the
+    # COMPLETE notice says, and keeps it in its retained row.
     for world in (registry, again):
         for handoff_id in ids:
             entry = world.get(handoff_id)
@@ -234,6 +235,12 @@ def test_why_an_unfinished_handoff_ended_survives_a_restart_and_its_completion(
                 kind = min(ALLOWED_OUTCOMES[action.kind], key=lambda k: k.value)
                 world.report_outcome(handoff_id, action.id, Outcome(kind))
             assert isinstance(world.get(handoff_id), Retained)
+    notices = {
+        d.handoff_id: d.reason
+        for d in again.take(again.subscribe("p", lambda: None), 100) or []
+        if d.action.kind is ActionKind.COMPLETE
+    }
+    assert notices == {h: reasons[-1] for h, reasons in before.items()}
     journal.commit_now()
     journal.close_now()
     _, last, _ = recovered(tmp_path, clock)

@@ -315,9 +315,9 @@ class _EndCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndCause.Val
     END_CAUSE_ACTION_FAILED: _EndCause.ValueType  # 5
     """An engine answered an action FAILED: action, role, engine_id, detail."""
     END_CAUSE_FAILED: _EndCause.ValueType  # 6
-    """An engine reported the Failed fact."""
+    """A Failed fact (an engine's or the frontend's); detail is its reason text."""
     END_CAUSE_DRAIN: _EndCause.ValueType  # 7
-    """The server shut down while the handoff was active."""
+    """The server shut down while the handoff was active; detail says so."""
 
 class EndCause(_EndCause, metaclass=_EndCauseEnumTypeWrapper):
     """Why a handoff went into cleanup (or succeeded): one per completion."""
@@ -334,9 +334,9 @@ END_CAUSE_ENGINE_LOST: EndCause.ValueType  # 4
 END_CAUSE_ACTION_FAILED: EndCause.ValueType  # 5
 """An engine answered an action FAILED: action, role, engine_id, detail."""
 END_CAUSE_FAILED: EndCause.ValueType  # 6
-"""An engine reported the Failed fact."""
+"""A Failed fact (an engine's or the frontend's); detail is its reason text."""
 END_CAUSE_DRAIN: EndCause.ValueType  # 7
-"""The server shut down while the handoff was active."""
+"""The server shut down while the handoff was active; detail says so."""
 Global___EndCause: _TypeAlias = EndCause  # noqa: Y015
 
 class _LostCause:
@@ -687,6 +687,7 @@ class Action(_message.Message):
     COMPLETION_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
+    END_REASON_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """The handoff it belongs to."""
     id: _builtins.int
@@ -713,6 +714,12 @@ class Action(_message.Message):
     """
     tracestate: _builtins.str
     """W3C tracestate the caller started the handoff with; empty when none."""
+    @_builtins.property
+    def end_reason(self) -> Global___EndReason:
+        """For COMPLETE: why the handoff ended (the newest of Handoff.end_reasons).
+        Unset from an older server.
+        """
+
     def __init__(
         self,
         *,
@@ -726,10 +733,11 @@ class Action(_message.Message):
         completion: Global___Completion.ValueType = ...,
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
+        end_reason: Global___EndReason | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_reason", b"end_reason"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "end_reason", b"end_reason", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

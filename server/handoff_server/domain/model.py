@@ -111,7 +111,7 @@ class EndCause(enum.Enum):
     DEADLINE = "deadline"  # the handoff's timeout passed
     ENGINE_LOST = "engine_lost"  # an engine's memory for it is gone
     ACTION_FAILED = "action_failed"  # an engine answered an action Failed
-    FAILED = "failed"  # an engine reported the Failed fact
+    FAILED = "failed"  # a Failed fact (an engine's or the frontend's)
     DRAIN = "drain"  # the server shut down while it was active
 
 

@@ -35,6 +35,7 @@ from handoff_server.domain.model import (
     CLEANUP_KINDS,
     LOST_EVENT,
     Action,
+    ActionKind,
     AlreadyExists,
     Canceled,
     Completion,
@@ -68,6 +69,7 @@ log = logging.getLogger("handoff.registry")
 Clock = Callable[[], float]  # seconds since the Unix epoch, never going backwards
 
 MAX_REDELIVERY_DELAY_S = 30.0
+COMPLETE = ActionKind.COMPLETE
 LOST_BECAUSE = {
     LostCause.RESTARTED: "restarted under a new incarnation",
     LostCause.RECONCILED: "its sidecar freed these sides on its own (lease or orphan)",
@@ -526,6 +528,8 @@ class Registry:
         if extended:
             self._schedule(entry.deadline, TimerKind.DEADLINE, entry.handoff_id, entry.deadline)
         trace = self.tracer.issued(entry, action, engines, now)
+        # The notice says why it ended: the call ended it, so its reason is in.
+        reason = entry.reasons[-1] if action.kind is COMPLETE and entry.reasons else None
         if (
             action.kind in CLEANUP_KINDS
             and entry.completed_at is None  # a success being reopened reached both sides
@@ -533,10 +537,10 @@ class Registry:
         ):
             self._settle(entry, action, role, engines[0])
         else:
-            self.delivery.send(entry.handoff_id, action, role, engines, trace)
+            self.delivery.send(entry.handoff_id, action, role, engines, trace, reason)
         # In a call's answer, a notice to both engines names neither.
         engine_id = engines[0] if len(engines) == 1 else ""
-        return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace)
+        return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace, reason=reason)
 
     def _settle(self, entry: Entry, action: Action, role: Role, engine_id: str) -> None:
         """A cleanup action for a side none of whose actions reached its engine:

@@ -223,6 +223,14 @@ def fact(message: pb.Fact) -> Fact:
     return FACT_TRANSFER_COMPLETED if which == "transfer_completed" else FACT_TIMED_OUT
 
 
+def fact_text(message: pb.Fact) -> str:
+    """The reason text a Canceled or Failed fact brings (why it ended), else ''."""
+    which = message.WhichOneof("kind")
+    if which == "canceled":
+        return message.canceled.reason
+    return message.failed.reason if which == "failed" else ""
+
+
 def _reason(value: str, field: str, required: bool) -> str:
     if required and not value:
         raise InvalidArgument(f"{field} is required for a failed outcome")
@@ -260,6 +268,8 @@ def action(dispatch: Dispatch) -> pb.Action:
         message.completion = COMPLETIONS[dispatch.action.completion]
     if dispatch.trace is not None:
         message.traceparent, message.tracestate = dispatch.trace
+    if dispatch.reason is not None:
+        message.end_reason.CopyFrom(end_reason(dispatch.reason))
     return message
 
 
