@@ -17,12 +17,15 @@ from handoff_client.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     Failed,
     Handoff,
     LifecycleEvent,
     LifecycleEventKind,
+    LostCause,
     Order,
     Outcome,
     Phase,
@@ -37,6 +40,8 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 _ACTION_KINDS = {kind.value for kind in ActionKind}
 _ROLES = {role.value for role in Role}
 _COMPLETIONS = {completion.value for completion in Completion}
+_END_CAUSES = {cause.value for cause in EndCause}
+_LOST_CAUSES = {cause.value for cause in LostCause}
 
 
 def action_from_pb(message: pb.Action) -> Action:
@@ -57,6 +62,9 @@ def action_from_pb(message: pb.Action) -> Action:
         completion=Completion(message.completion) if message.completion in _COMPLETIONS else None,
         traceparent=message.traceparent,
         tracestate=message.tracestate,
+        end_reason=end_reason_from_pb(message.end_reason)
+        if message.HasField("end_reason")
+        else None,
     )
 
 
@@ -87,6 +95,25 @@ def handoff_from_pb(message: pb.Handoff) -> Handoff:
         completed_at=_time(message.completed_at, message.HasField("completed_at")),
         fallback_transfer_delay_ms=message.fallback_transfer_delay_ms,
         abandoned=message.abandoned,
+        end_reasons=tuple(end_reason_from_pb(r) for r in message.end_reasons),
+    )
+
+
+def end_reason_from_pb(message: pb.EndReason) -> EndReason:
+    """The reason; a cause (or lost cause) this SDK does not know reads as UNSPECIFIED."""
+    cause = EndCause(message.cause) if message.cause in _END_CAUSES else EndCause.UNSPECIFIED
+    lost = None
+    if cause is EndCause.ENGINE_LOST:
+        lost = LostCause(message.lost_cause) if message.lost_cause in _LOST_CAUSES else None
+    return EndReason(
+        cause=cause,
+        role=Role(message.role) if message.role in _ROLES and message.role else None,
+        engine_id=message.engine_id,
+        lost_cause=lost,
+        action=ActionKind(message.action)
+        if message.action in _ACTION_KINDS and message.action
+        else None,
+        detail=message.detail,
     )
 
 

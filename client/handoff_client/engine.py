@@ -47,7 +47,8 @@ class SourceEngine(Protocol):
         ...
 
     async def complete(self, action: Action) -> None:
-        """A notice that the handoff is over (``action.completion`` says how); no outcome.
+        """A notice that the handoff is over (``action.completion`` says how, and
+        ``action.end_reason`` why); no outcome.
 
         Anything the engine still held was freed through its cancel handler
         before this runs. It may be lost with a stream.
@@ -79,7 +80,8 @@ class DestinationEngine(Protocol):
         ...
 
     async def complete(self, action: Action) -> None:
-        """A notice that the handoff is over (``action.completion`` says how); no outcome."""
+        """A notice that the handoff is over (``action.completion`` says how, and
+        ``action.end_reason`` why); no outcome."""
         ...
 
 

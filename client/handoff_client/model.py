@@ -238,6 +238,56 @@ class Action:
     # COORDINATOR for every action the server sent; else a free the sidecar made
     # up (id MADE_UP_ACTION_ID, attempt 0), which rule 1's de-duplication skips.
     origin: Origin = Origin.COORDINATOR
+    # COMPLETE only: why the handoff ended; None from an older server.
+    end_reason: EndReason | None = None
+
+
+class EndCause(enum.Enum):
+    """Why a handoff ended (one per completion); UNSPECIFIED from an older server
+    or journal, or a cause this SDK does not know."""
+
+    UNSPECIFIED = 0
+    SUCCEEDED = 1
+    FRONTEND_CANCELED = 2
+    DEADLINE = 3
+    ENGINE_LOST = 4
+    ACTION_FAILED = 5
+    FAILED = 6
+    DRAIN = 7
+
+
+class LostCause(enum.Enum):
+    """Why an engine was lost: REPORTED unless the server found it itself."""
+
+    REPORTED = 0
+    UNREACHABLE = 1
+    RESTARTED = 2
+    RECONCILED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class EndReason:
+    """Why one completion happened: which engine and action, and the reason text."""
+
+    cause: EndCause
+    role: Role | None = None  # ENGINE_LOST, ACTION_FAILED
+    engine_id: str = ""
+    lost_cause: LostCause | None = None  # ENGINE_LOST only
+    action: ActionKind | None = None  # ACTION_FAILED only
+    detail: str = ""  # the engine's or the frontend's reason
+
+    def describe(self) -> str:
+        """One line, as ``handoff inspect`` prints it."""
+        parts = [self.cause.name.lower()]
+        if self.cause is EndCause.ENGINE_LOST:
+            why = (self.lost_cause or LostCause.REPORTED).name.lower()
+            role = self.role.name.lower() if self.role else "?"
+            parts.append(f"{role} {self.engine_id} ({why})")
+        elif self.action is not None:
+            parts.append(f"{self.action.name.lower()} on {self.engine_id}")
+        if self.detail:
+            parts.append(repr(self.detail))
+        return parts[0] + (": " + " ".join(parts[1:]) if parts[1:] else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +315,8 @@ class Handoff:
     fallback_transfer_delay_ms: float
     # Abandoned while cleaning up: outstanding_actions is what was left unacknowledged.
     abandoned: bool = False
+    # Why it ended, one per completion (a reopened handoff has two), newest last.
+    end_reasons: tuple[EndReason, ...] = ()
 
     def first(self, kind: LifecycleEventKind) -> datetime | None:
         """When ``kind`` first happened (a reopened handoff completes twice)."""

@@ -333,10 +333,10 @@ def test_a_failing_timer_is_counted_and_the_others_still_fire(
     broken, healthy = h.start(), h.start()
     original = h.registry._server_fact
 
-    def server_fact(entry: object, fact: object) -> None:
+    def server_fact(entry: object, fact: object, reason: object) -> None:
         if getattr(entry, "handoff_id", None) == broken:
             raise RuntimeError("boom")
-        original(entry, fact)  # type: ignore[arg-type]
+        original(entry, fact, reason)  # type: ignore[arg-type]
 
     monkeypatch.setattr(h.registry, "_server_fact", server_fact)
     with caplog.at_level(logging.ERROR, logger="handoff.registry"):

@@ -226,7 +226,7 @@ def test_a_journal_of_a_newer_format_refuses_to_start(tmp_path: Path) -> None:
     Journal.open(tmp_path).close_now()
     with sqlite3.connect(tmp_path / DATABASE) as db:
         db.execute("UPDATE meta SET value = 99 WHERE key = 'format_version'")
-    with pytest.raises(NewerFormat, match="journal format 99, newer than this server's 2"):
+    with pytest.raises(NewerFormat, match="journal format 99, newer than this server's 3"):
         Journal.open(tmp_path)
     serve = subprocess.run(
         [*HANDOFF, "serve", "--state-dir", str(tmp_path), "--port", "0", "--metrics-port", "-1"],

@@ -172,7 +172,7 @@ class World:
 
 
 def state(registry: Registry) -> dict[str, Any]:
-    """Everything a handoff is, as comparable values."""
+    """Everything a handoff is, as comparable values (why it ended included)."""
     out: dict[str, Any] = {}
     for handoff_id, entry in registry.handoffs.items():
         core = entry.core if isinstance(entry, Entry) else entry.unpack().core
@@ -181,6 +181,7 @@ def state(registry: Registry) -> dict[str, Any]:
             core.snapshot(),
             entry.deadline,
             tuple(sorted(entry.routed.items())) if isinstance(entry, Entry) else (),
+            entry.reasons,
         )
     return out
 

@@ -15,12 +15,19 @@ from pathlib import Path
 
 from handoff_server.domain.entries import Entry, Retained, StartRequest
 from handoff_server.domain.model import (
+    ALLOWED_OUTCOMES,
+    ActionKind,
     Canceled,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
+    Failed,
+    LostCause,
     Order,
     Outcome,
     OutcomeKind,
+    Phase,
     Role,
     SourceHeld,
     TimingMode,
@@ -29,7 +36,12 @@ from handoff_server.domain.model import (
 )
 from handoff_server.domain.registry import NOT_RECORDING, Registry
 from handoff_server.durability.journal import DATABASE, FORMAT_VERSION, Journal
-from handoff_server.durability.records import RETAINED, JournalRecorder
+from handoff_server.durability.records import (
+    RETAINED,
+    JournalRecorder,
+    decode_retained,
+    encode_retained,
+)
 from handoff_server.durability.recovery import ReplayClock, recover
 from handoff_server.ops.metrics import Metrics
 from tests.durability.test_recovery import state
@@ -96,7 +108,7 @@ def test_a_format_1_journal_recovers_as_its_history_ran(tmp_path: Path) -> None:
     assert state(again) == state(registry)
     with sqlite3.connect(tmp_path / DATABASE) as db:
         version = db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
-    assert version == FORMAT_VERSION == 2
+    assert version == FORMAT_VERSION == 3
 
 
 def test_a_completed_handoff_is_one_record_and_a_reopened_one_replays_from_it(
@@ -148,5 +160,88 @@ def test_a_completed_handoff_is_one_record_and_a_reopened_one_replays_from_it(
     journal.commit_now()
     journal.close_now()
     assert records(tmp_path, h) == [RETAINED]
+    _, last, _ = recovered(tmp_path, clock)
+    assert state(last) == state(registry)
+
+
+def test_end_reasons_survive_a_restart_and_a_format_2_row_reads_unspecified(
+    tmp_path: Path,
+) -> None:
+    clock = FakeClock()
+    journal, registry, _ = recovered(tmp_path, clock)
+    failed, active = "failed", "active"
+    for handoff_id in (failed, active):
+        registry.start(StartRequest(handoff_id, Order.SOURCE_FIRST, "p", "d", 5.0))
+    registry.report_outcome(failed, 0, Outcome(OutcomeKind.FAILED, "out of KV blocks"))
+    registry.report_fact(active, Canceled())  # cleaning up: CancelSource outstanding
+    before = {h: registry.get(h).reasons for h in (failed, active)}
+    assert before[failed][0].detail == "out of KV blocks"
+    journal.commit_now()
+    journal.close_now()
+    registry.recorder = NOT_RECORDING
+    _, again, _ = recovered(tmp_path, clock)
+    assert {h: again.get(h).reasons for h in (failed, active)} == before
+
+    # Its source lost, nothing is owed: it completes, and is retained.
+    again.report_fact(failed, EngineLost(Role.SOURCE))
+    retained = again.get(failed)
+    assert isinstance(retained, Retained)
+    row = encode_retained(retained)
+    assert decode_retained(failed, row, {}).reasons == retained.reasons
+    # A format 2 retained row ends at the next action id: no reasons in it.
+    old = decode_retained(failed, row[:-1], {})
+    assert [r.cause for r in old.reasons] == [EndCause.UNSPECIFIED]
+
+
+def test_why_an_unfinished_handoff_ended_survives_a_restart_and_its_completion(
+    tmp_path: Path,
+) -> None:
+    """What only the server knew (why it lost an engine, a drain, the caller's
+    text) is journaled with the fact, not derived from it on recovery."""
+    clock = FakeClock()
+    journal, registry, _ = recovered(tmp_path, clock)
+    source = registry.subscribe("p", lambda: None)
+    ids = ("canceled", "failed", "reconciled", "drained")
+    for handoff_id in ids:
+        registry.start(StartRequest(handoff_id, Order.SOURCE_FIRST, "p", "d", 5.0))
+    assert registry.take(source, 100)  # each SubmitPrefill reached p: its cleanup is owed
+    registry.report_fact("canceled", Canceled(), detail="client went away")
+    registry.report_fact("failed", Failed(), detail="router gave up")
+    registry.reconcile("d", [], [("reconciled", Role.DESTINATION)])
+    registry.cancel_active("server shutting down")
+    before = {h: registry.get(h).reasons for h in ids}
+    assert before == {
+        "canceled": (EndReason(EndCause.FRONTEND_CANCELED, detail="client went away"),),
+        "failed": (EndReason(EndCause.FAILED, detail="router gave up"),),
+        "reconciled": (
+            EndReason(EndCause.ENGINE_LOST, Role.DESTINATION, "d", LostCause.RECONCILED),
+        ),
+        "drained": (EndReason(EndCause.DRAIN, detail="server shutting down"),),
+    }
+    assert all(registry.get(h).core.phase is Phase.CLEANING_UP for h in ids)
+    journal.commit_now()
+    journal.close_now()
+    registry.recorder = NOT_RECORDING
+    journal, again, _ = recovered(tmp_path, clock)
+    assert state(again) == state(registry)
+
+    # Their cleanup answered, each completes with the reason it had, as the
+    # COMPLETE notice says, and keeps it in its retained row.
+    for world in (registry, again):
+        for handoff_id in ids:
+            entry = world.get(handoff_id)
+            assert isinstance(entry, Entry)
+            for action in list(entry.core.outstanding):
+                kind = min(ALLOWED_OUTCOMES[action.kind], key=lambda k: k.value)
+                world.report_outcome(handoff_id, action.id, Outcome(kind))
+            assert isinstance(world.get(handoff_id), Retained)
+    notices = {
+        d.handoff_id: d.reason
+        for d in again.take(again.subscribe("p", lambda: None), 100) or []
+        if d.action.kind is ActionKind.COMPLETE
+    }
+    assert notices == {h: reasons[-1] for h, reasons in before.items()}
+    journal.commit_now()
+    journal.close_now()
     _, last, _ = recovered(tmp_path, clock)
     assert state(last) == state(registry)

@@ -88,10 +88,9 @@ async def check_routing(
         else:
             targets = [source, destination]
         for stream in targets:
-            try:
-                delivered = await asyncio.wait_for(stream.wait_for(handoff_id, action.id), 5)
-            except TimeoutError:
-                return f"action {action.id} never reached {stream.engine_id}"
+            # Awaited, not timed: a loaded machine delivers late, not never
+            # (the test's own timeout bounds a delivery that never comes).
+            delivered = await stream.wait_for(handoff_id, action.id)
             if delivered.engine_id != stream.engine_id:
                 return f"action {action.id} delivered with engine_id {delivered.engine_id}"
             if action.kind is ActionKind.START_TRANSFER and not same_delay(

@@ -484,8 +484,14 @@ async def test_all_vectors_pass_through_three_shards(
             return await run_vector(stubs[owner], vector, sources[owner], destinations[owner])
 
     try:
-        async with asyncio.timeout(240):
-            results = await asyncio.gather(*(one(v) for v in vectors))
+        # A TaskGroup, not gather: if one vector raises, the others are
+        # cancelled and awaited here, before the streams, channels and
+        # servers close under them (gather left them running into the
+        # teardown: GetHandoff CANCELLED, "handoffs still cleaning up at exit",
+        # hiding the first error).
+        async with asyncio.timeout(240), asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(v)) for v in vectors]
+        results = [task.result() for task in tasks]
     finally:
         for engine in [*sources, *destinations]:
             await engine.close()

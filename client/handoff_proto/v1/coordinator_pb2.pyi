@@ -297,6 +297,76 @@ LIFECYCLE_EVENT_KIND_DESTINATION_LOST: LifecycleEventKind.ValueType  # 8
 """EngineLost{destination} was first applied"""
 Global___LifecycleEventKind: _TypeAlias = LifecycleEventKind  # noqa: Y015
 
+class _EndCause:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EndCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EndCause.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    END_CAUSE_UNSPECIFIED: _EndCause.ValueType  # 0
+    """Unknown: recovered from a journal written before end reasons."""
+    END_CAUSE_SUCCEEDED: _EndCause.ValueType  # 1
+    END_CAUSE_FRONTEND_CANCELED: _EndCause.ValueType  # 2
+    """The frontend's Canceled fact; detail is its reason text."""
+    END_CAUSE_DEADLINE: _EndCause.ValueType  # 3
+    """The handoff's timeout passed."""
+    END_CAUSE_ENGINE_LOST: _EndCause.ValueType  # 4
+    """An engine's memory for it is gone: role, engine_id, lost_cause."""
+    END_CAUSE_ACTION_FAILED: _EndCause.ValueType  # 5
+    """An engine answered an action FAILED: action, role, engine_id, detail."""
+    END_CAUSE_FAILED: _EndCause.ValueType  # 6
+    """A Failed fact (an engine's or the frontend's); detail is its reason text."""
+    END_CAUSE_DRAIN: _EndCause.ValueType  # 7
+    """The server shut down while the handoff was active; detail says so."""
+
+class EndCause(_EndCause, metaclass=_EndCauseEnumTypeWrapper):
+    """Why a handoff went into cleanup (or succeeded): one per completion."""
+
+END_CAUSE_UNSPECIFIED: EndCause.ValueType  # 0
+"""Unknown: recovered from a journal written before end reasons."""
+END_CAUSE_SUCCEEDED: EndCause.ValueType  # 1
+END_CAUSE_FRONTEND_CANCELED: EndCause.ValueType  # 2
+"""The frontend's Canceled fact; detail is its reason text."""
+END_CAUSE_DEADLINE: EndCause.ValueType  # 3
+"""The handoff's timeout passed."""
+END_CAUSE_ENGINE_LOST: EndCause.ValueType  # 4
+"""An engine's memory for it is gone: role, engine_id, lost_cause."""
+END_CAUSE_ACTION_FAILED: EndCause.ValueType  # 5
+"""An engine answered an action FAILED: action, role, engine_id, detail."""
+END_CAUSE_FAILED: EndCause.ValueType  # 6
+"""A Failed fact (an engine's or the frontend's); detail is its reason text."""
+END_CAUSE_DRAIN: EndCause.ValueType  # 7
+"""The server shut down while the handoff was active; detail says so."""
+Global___EndCause: _TypeAlias = EndCause  # noqa: Y015
+
+class _LostCause:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LostCauseEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LostCause.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LOST_CAUSE_REPORTED: _LostCause.ValueType  # 0
+    """Reported by an engine or the frontend (EngineLost), not found by the server."""
+    LOST_CAUSE_UNREACHABLE: _LostCause.ValueType  # 1
+    """No live stream for delivery_timeout."""
+    LOST_CAUSE_RESTARTED: _LostCause.ValueType  # 2
+    """A new incarnation of the engine subscribed."""
+    LOST_CAUSE_RECONCILED: _LostCause.ValueType  # 3
+    """Its sidecar freed the side on its own (lease or orphan)."""
+
+class LostCause(_LostCause, metaclass=_LostCauseEnumTypeWrapper):
+    """Why the server declared an engine lost."""
+
+LOST_CAUSE_REPORTED: LostCause.ValueType  # 0
+"""Reported by an engine or the frontend (EngineLost), not found by the server."""
+LOST_CAUSE_UNREACHABLE: LostCause.ValueType  # 1
+"""No live stream for delivery_timeout."""
+LOST_CAUSE_RESTARTED: LostCause.ValueType  # 2
+"""A new incarnation of the engine subscribed."""
+LOST_CAUSE_RECONCILED: LostCause.ValueType  # 3
+"""Its sidecar freed the side on its own (lease or orphan)."""
+Global___LostCause: _TypeAlias = LostCause  # noqa: Y015
+
 class _ReleaseReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -617,6 +687,7 @@ class Action(_message.Message):
     COMPLETION_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     TRACESTATE_FIELD_NUMBER: _builtins.int
+    END_REASON_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """The handoff it belongs to."""
     id: _builtins.int
@@ -643,6 +714,12 @@ class Action(_message.Message):
     """
     tracestate: _builtins.str
     """W3C tracestate the caller started the handoff with; empty when none."""
+    @_builtins.property
+    def end_reason(self) -> Global___EndReason:
+        """For COMPLETE: why the handoff ended (the newest of Handoff.end_reasons).
+        Unset from an older server.
+        """
+
     def __init__(
         self,
         *,
@@ -656,14 +733,55 @@ class Action(_message.Message):
         completion: Global___Completion.ValueType = ...,
         traceparent: _builtins.str = ...,
         tracestate: _builtins.str = ...,
+        end_reason: Global___EndReason | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_reason", b"end_reason"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "completion", b"completion", "delay_ms", b"delay_ms", "end_reason", b"end_reason", "engine_id", b"engine_id", "handoff_id", b"handoff_id", "id", b"id", "kind", b"kind", "target", b"target", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Action: _TypeAlias = Action  # noqa: Y015
+
+@_typing.final
+class EndReason(_message.Message):
+    """Why one completion happened."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CAUSE_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    LOST_CAUSE_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    cause: Global___EndCause.ValueType
+    role: Global___Role.ValueType
+    """ENGINE_LOST, ACTION_FAILED: whose side, and its engine."""
+    engine_id: _builtins.str
+    lost_cause: Global___LostCause.ValueType
+    """ENGINE_LOST only."""
+    action: Global___ActionKind.ValueType
+    """ACTION_FAILED only."""
+    detail: _builtins.str
+    """The engine's or the frontend's reason text."""
+    def __init__(
+        self,
+        *,
+        cause: Global___EndCause.ValueType = ...,
+        role: Global___Role.ValueType = ...,
+        engine_id: _builtins.str = ...,
+        lost_cause: Global___LostCause.ValueType = ...,
+        action: Global___ActionKind.ValueType = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cause", b"cause", "detail", b"detail", "engine_id", b"engine_id", "lost_cause", b"lost_cause", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndReason: _TypeAlias = EndReason  # noqa: Y015
 
 @_typing.final
 class LifecycleEvent(_message.Message):
@@ -712,6 +830,7 @@ class Handoff(_message.Message):
     COMPLETED_AT_FIELD_NUMBER: _builtins.int
     FALLBACK_TRANSFER_DELAY_MS_FIELD_NUMBER: _builtins.int
     ABANDONED_FIELD_NUMBER: _builtins.int
+    END_REASONS_FIELD_NUMBER: _builtins.int
     handoff_id: _builtins.str
     """UUID chosen by the caller."""
     order: Global___HandoffOrder.ValueType
@@ -750,6 +869,12 @@ class Handoff(_message.Message):
     def completed_at(self) -> _timestamp_pb2.Timestamp:
         """When the handoff (last) completed; unset before."""
 
+    @_builtins.property
+    def end_reasons(self) -> _containers.RepeatedCompositeFieldContainer[Global___EndReason]:
+        """Why it ended, one per completion (a reopened handoff has two), newest
+        last; empty while active.
+        """
+
     def __init__(
         self,
         *,
@@ -767,10 +892,11 @@ class Handoff(_message.Message):
         completed_at: _timestamp_pb2.Timestamp | None = ...,
         fallback_transfer_delay_ms: _builtins.float = ...,
         abandoned: _builtins.bool = ...,
+        end_reasons: _abc.Iterable[Global___EndReason] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["completed_at", b"completed_at", "deadline", b"deadline", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned", b"abandoned", "completed_at", b"completed_at", "completion", b"completion", "deadline", b"deadline", "destination_engine_id", b"destination_engine_id", "fallback_transfer_delay_ms", b"fallback_transfer_delay_ms", "handoff_id", b"handoff_id", "lifecycle", b"lifecycle", "order", b"order", "outstanding_actions", b"outstanding_actions", "phase", b"phase", "source_engine_id", b"source_engine_id", "started_at", b"started_at", "transfer_executor", b"transfer_executor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned", b"abandoned", "completed_at", b"completed_at", "completion", b"completion", "deadline", b"deadline", "destination_engine_id", b"destination_engine_id", "end_reasons", b"end_reasons", "fallback_transfer_delay_ms", b"fallback_transfer_delay_ms", "handoff_id", b"handoff_id", "lifecycle", b"lifecycle", "order", b"order", "outstanding_actions", b"outstanding_actions", "phase", b"phase", "source_engine_id", b"source_engine_id", "started_at", b"started_at", "transfer_executor", b"transfer_executor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

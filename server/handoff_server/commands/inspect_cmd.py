@@ -90,6 +90,10 @@ def render(handoff: Handoff) -> str:
     ]
     if handoff.completed_at is not None:
         lines.append(f"completed    {_time(handoff.completed_at)}")
+    for reason in handoff.end_reasons:
+        lines.append(f"ended        {reason.describe()}")
+    if handoff.abandoned:
+        lines.append("abandoned    still cleaning up after cleanup_timeout")
     lines.append("lifecycle")
     for event in handoff.lifecycle:
         started = handoff.started_at or event.at

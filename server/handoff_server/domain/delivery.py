@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from handoff_server.domain.model import Action, ActionKind, FailedPrecondition, Role
+from handoff_server.domain.model import Action, ActionKind, EndReason, FailedPrecondition, Role
 from handoff_server.domain.timers import Timer, TimerKind
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
@@ -67,6 +67,7 @@ class Dispatch:
     attempt: int = 0
     sequence: int = 0
     trace: tuple[str, str] | None = None  # the action span's traceparent and tracestate
+    reason: EndReason | None = None  # COMPLETE only: why the handoff ended
 
 
 class Subscription:
@@ -257,6 +258,7 @@ class Delivery:
                 dispatch.attempt + 1,
                 dispatch.sequence,
                 dispatch.trace,
+                dispatch.reason,
             )
             if dispatch.action.kind is not ActionKind.COMPLETE:
                 channel.unacked[key] = dispatch
@@ -312,12 +314,14 @@ class Delivery:
         role: Role,
         engines: Iterable[str],
         trace: tuple[str, str] | None = None,
+        reason: EndReason | None = None,
     ) -> None:
         for engine_id in engines:
             channel = self._channel(engine_id)
             if action.kind is ActionKind.COMPLETE and self._never_came(channel):
                 continue
-            dispatch = Dispatch(handoff_id, action, role, engine_id, 0, next(self._sequence), trace)
+            sequence = next(self._sequence)
+            dispatch = Dispatch(handoff_id, action, role, engine_id, 0, sequence, trace, reason)
             key = (handoff_id, action.id)
             channel.queue[key] = dispatch
             if action.kind is not ActionKind.COMPLETE:

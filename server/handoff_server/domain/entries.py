@@ -20,19 +20,30 @@ from handoff_server.domain.model import (
     ROLE_OF,
     SIDES,
     SOURCE_RELEASES,
+    SUCCEEDED_END,
+    UNSPECIFIED_END,
     Action,
     ActionKind,
+    Canceled,
+    Completion,
+    EndCause,
+    EndReason,
+    EngineLost,
+    Failed,
     LifecycleEvent,
     Order,
     Outcome,
     OutcomeKind,
+    Phase,
     Role,
+    TimedOut,
 )
 from handoff_server.domain.packing import Completed, pack
 
 # A transfer's modelled duration extends the deadline, capped so that it
 # stays a representable date however absurd the delay.
 MAX_EXTENSION_S = 365 * 24 * 3600.0
+ONLY_SUCCEEDED = (SUCCEEDED_END,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,7 @@ class Entry:
         "redelivery_round",
         "trace",
         "trace_context",
+        "reasons",
     )
 
     def __init__(
@@ -113,6 +125,8 @@ class Entry:
         self.trace: object = None  # tracing.HandoffTrace when tracing is on
         # The caller's, as StartHandoff brought it: a journal snapshot keeps it.
         self.trace_context: tuple[tuple[str, str], ...] = ()
+        # Why it ended, one per completion (a reopened handoff has two), newest last.
+        self.reasons: tuple[EndReason, ...] = ()
 
     @classmethod
     def started(cls, request: StartRequest, timeout_s: float, now: float) -> Entry:
@@ -184,6 +198,55 @@ class Entry:
             if event is LifecycleEvent.SOURCE_HELD:
                 self.held_at = now
 
+    def end(
+        self, phase_before: Phase, completion_before: Completion | None, reason: EndReason
+    ) -> None:
+        """Note why, if the call just ended the handoff (it left ACTIVE, or a
+        success was reopened); a success is its own reason."""
+        core = self.core
+        if phase_before is Phase.ACTIVE and core.phase is Phase.ACTIVE:
+            return
+        if phase_before is not Phase.ACTIVE and not (
+            phase_before is Phase.COMPLETE
+            and (core.phase is not Phase.COMPLETE or core.completion is not completion_before)
+        ):
+            return
+        if core.phase is Phase.COMPLETE and core.completion is Completion.SUCCESS:
+            reason = SUCCEEDED_END
+        # Shared: most retained handoffs simply succeeded.
+        self.reasons = (
+            ONLY_SUCCEEDED
+            if reason is SUCCEEDED_END and not self.reasons
+            else (
+                *self.reasons,
+                reason,
+            )
+        )
+
+    def reason_for(self, recorded: object) -> EndReason:
+        """The reason a journaled call gives by itself (recovery; the live path
+        adds what the journal does not keep, such as why an engine was lost)."""
+        if isinstance(recorded, TimedOut):
+            return EndReason(EndCause.DEADLINE)
+        if isinstance(recorded, Canceled):
+            return EndReason(EndCause.FRONTEND_CANCELED)
+        if isinstance(recorded, Failed):
+            return EndReason(EndCause.FAILED)
+        if isinstance(recorded, EngineLost):
+            return EndReason(EndCause.ENGINE_LOST, recorded.role, self.engine_for(recorded.role)[0])
+        if isinstance(recorded, tuple):
+            action_id, outcome = recorded
+            routed = self.routed.get(action_id)
+            if outcome.kind is OutcomeKind.FAILED and routed is not None:
+                return EndReason(
+                    EndCause.ACTION_FAILED,
+                    self.role_of(routed.kind),
+                    routed.engines[0],
+                    action=routed.kind,
+                    detail=outcome.reason,
+                )
+        return UNSPECIFIED_END
+
     def route(self, action: Action, now: float) -> tuple[Role, tuple[str, ...], bool]:
         """Where a new action goes (its role and engines), kept as outstanding
         unless it is the final notice; True if it moved the deadline."""
@@ -216,6 +279,7 @@ class Retained:
         "transfer_executor",
         "trace",
         "trace_context",
+        "reasons",
         "_times",
     )
 
@@ -231,6 +295,7 @@ class Retained:
         self.transfer_executor = entry.transfer_executor
         self.trace = entry.trace
         self.trace_context = entry.trace_context
+        self.reasons = entry.reasons
         times = (
             entry.started_at,
             entry.deadline,
@@ -249,6 +314,7 @@ class Retained:
         transfer_executor: Role,
         trace_context: tuple[tuple[str, str], ...],
         times: list[float],
+        reasons: tuple[EndReason, ...] = (),
     ) -> Retained:
         """One as a journal snapshot kept it (recovery): ``times`` are its start,
         deadline, completion, timeout and lifecycle times, in that order."""
@@ -259,6 +325,7 @@ class Retained:
         retained.transfer_executor = transfer_executor
         retained.trace = None
         retained.trace_context = trace_context
+        retained.reasons = reasons
         retained._times = array("d", times).tobytes()
         return retained
 
@@ -305,4 +372,5 @@ class Retained:
         entry.lifecycle_at = self.lifecycle_at
         entry.trace = self.trace
         entry.trace_context = self.trace_context
+        entry.reasons = self.reasons
         return entry

@@ -98,6 +98,51 @@ class LostCause(enum.Enum):
     RECONCILED = "reconciled"  # its sidecar freed the side on its own (lease, orphan)
 
 
+class EndCause(enum.Enum):
+    """Why a handoff went into cleanup (or succeeded): one per completion.
+
+    Bounded, so it labels handoff_cancellations_total; the detail beside it
+    (EndReason) says which engine, action and text.
+    """
+
+    UNSPECIFIED = "unspecified"  # recovered from a journal older than reasons
+    SUCCEEDED = "succeeded"
+    FRONTEND_CANCELED = "frontend_canceled"  # the caller's CancelHandoff
+    DEADLINE = "deadline"  # the handoff's timeout passed
+    ENGINE_LOST = "engine_lost"  # an engine's memory for it is gone
+    ACTION_FAILED = "action_failed"  # an engine answered an action Failed
+    FAILED = "failed"  # a Failed fact (an engine's or the frontend's)
+    DRAIN = "drain"  # the server shut down while it was active
+
+
+@dataclass(frozen=True, slots=True)
+class EndReason:
+    """Why one completion happened, as GetHandoff and the COMPLETE notice say it."""
+
+    cause: EndCause
+    role: Role | None = None  # ENGINE_LOST, ACTION_FAILED: whose side
+    engine_id: str = ""  # ENGINE_LOST, ACTION_FAILED
+    lost_cause: LostCause | None = None  # ENGINE_LOST: None when the engine reported it
+    action: ActionKind | None = None  # ACTION_FAILED
+    detail: str = ""  # the engine's or the caller's reason text
+
+    def describe(self) -> str:
+        """One line for logs and ``handoff inspect``."""
+        parts = [self.cause.value]
+        if self.cause is EndCause.ENGINE_LOST:
+            why = self.lost_cause.value if self.lost_cause is not None else "reported"
+            parts.append(f"{self.role.value if self.role else '?'} {self.engine_id} ({why})")
+        elif self.action is not None:
+            parts.append(f"{self.action.value} on {self.engine_id}")
+        if self.detail:
+            parts.append(repr(self.detail))
+        return parts[0] + (": " + " ".join(parts[1:]) if parts[1:] else "")
+
+
+UNSPECIFIED_END = EndReason(EndCause.UNSPECIFIED)
+SUCCEEDED_END = EndReason(EndCause.SUCCEEDED)
+
+
 class ReleaseReason(enum.Enum):
     """Why an engine should free a side it holds (Reconcile)."""
 

@@ -19,6 +19,7 @@ received anything) runs as calls of its own once the first is done.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -34,9 +35,12 @@ from handoff_server.domain.model import (
     CLEANUP_KINDS,
     LOST_EVENT,
     Action,
+    ActionKind,
     AlreadyExists,
     Canceled,
     Completion,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     HandoffError,
@@ -65,6 +69,7 @@ log = logging.getLogger("handoff.registry")
 Clock = Callable[[], float]  # seconds since the Unix epoch, never going backwards
 
 MAX_REDELIVERY_DELAY_S = 30.0
+COMPLETE = ActionKind.COMPLETE
 LOST_BECAUSE = {
     LostCause.RESTARTED: "restarted under a new incarnation",
     LostCause.RECONCILED: "its sidecar freed these sides on its own (lease or orphan)",
@@ -79,7 +84,11 @@ Recorded = StartRequest | Fact | tuple[int, Outcome]
 class Recorder(Protocol):
     """Where accepted calls go to be made durable: records.JournalRecorder."""
 
-    def record(self, handoff_id: str, at: float, call: Recorded) -> None: ...
+    def record(
+        self, handoff_id: str, at: float, call: Recorded, reason: EndReason | None = None
+    ) -> None:
+        """``reason``: why the call would end the handoff, when the call does not
+        say it by itself (a lost engine's cause, a drain, a caller's text)."""
 
     def abandoned(self, handoff_id: str, at: float) -> None: ...
 
@@ -98,7 +107,9 @@ class NotRecording:
 
     __slots__ = ()
 
-    def record(self, handoff_id: str, at: float, call: Recorded) -> None:
+    def record(
+        self, handoff_id: str, at: float, call: Recorded, reason: EndReason | None = None
+    ) -> None:
         pass
 
     def abandoned(self, handoff_id: str, at: float) -> None:
@@ -245,10 +256,21 @@ class Registry:
         self.tracer.started(entry, ctx.get("traceparent", ""), ctx.get("tracestate", ""), now)
         return CallResult(entry, self._call(entry, request, Handoff.start, now=now))
 
-    def report_fact(self, handoff_id: str, fact: Fact, origin: str = "engine") -> CallResult:
+    def report_fact(
+        self,
+        handoff_id: str,
+        fact: Fact,
+        origin: str = "engine",
+        detail: str = "",
+        reason: EndReason | None = None,
+    ) -> CallResult:
+        """``detail``: the caller's reason text (Canceled's or Failed's);
+        ``reason``: the whole reason, as the journal kept it (recovery)."""
         entry = self._unpacked(handoff_id)
+        if detail and reason is None:
+            reason = dataclasses.replace(entry.reason_for(fact), detail=detail)
         dispatches = self._call(
-            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, origin)
+            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, origin), reason=reason
         )
         self.metrics.facts_by[(fact.kind, origin)].inc()
         if isinstance(fact, EngineLost):
@@ -275,7 +297,7 @@ class Registry:
         ]
         for entry in active:
             log.warning("canceling handoff: %s", reason, extra={"handoff_id": entry.handoff_id})
-            self._server_fact(entry, Canceled())
+            self._server_fact(entry, Canceled(), EndReason(EndCause.DRAIN, detail=reason))
         return len(active)
 
     # --- engine streams ---------------------------------------------------
@@ -385,7 +407,7 @@ class Registry:
             if kind is TimerKind.DEADLINE:
                 log.warning("handoff deadline passed", extra={"handoff_id": key})
                 self.metrics.timed_out.inc()
-                self._server_fact(entry, TimedOut())
+                self._server_fact(entry, TimedOut(), EndReason(EndCause.DEADLINE))
             elif kind is TimerKind.REDELIVER:
                 self._redeliver_cleanup(entry, now)
             else:
@@ -433,11 +455,18 @@ class Registry:
         acknowledged: tuple[int, Outcome] | None = None,
         now: float | None = None,
         fact: tuple[Fact, str] | None = None,
+        reason: EndReason | None = None,
     ) -> tuple[Dispatch, ...]:
+        """``reason``: why it ended, if the call ends it and says more than
+        ``recorded`` does by itself (Entry.reason_for); the journal keeps it."""
         core = entry.core
         checkpoint = core.checkpoint()
         phase_before, completion_before = core.phase, core.completion
         events_before = len(entry.lifecycle_at)
+        # Before the call: an answered action is still routed.
+        said = entry.reason_for(recorded)
+        if reason == said:
+            reason = None
         try:
             actions = call(core)
         except HandoffError:
@@ -454,10 +483,11 @@ class Registry:
             now = self.clock()
         # Recorded before anything the call sets off (an eviction, the
         # follow-ups), so the journal keeps the order it happened in.
-        self.recorder.record(entry.handoff_id, now, recorded)
+        self.recorder.record(entry.handoff_id, now, recorded, reason)
         if acknowledged is not None:
             self._acknowledge(entry, *acknowledged, now)
         entry.stamp(events_before, now)
+        entry.end(phase_before, completion_before, reason or said)
         self.tracer.called(entry, fact, phase_before, completion_before, now)
         dispatches = tuple(self._route(entry, action, now) for action in actions)
         self._after_transition(entry, phase_before, completion_before, now)
@@ -498,6 +528,8 @@ class Registry:
         if extended:
             self._schedule(entry.deadline, TimerKind.DEADLINE, entry.handoff_id, entry.deadline)
         trace = self.tracer.issued(entry, action, engines, now)
+        # The notice says why it ended: the call ended it, so its reason is in.
+        reason = entry.reasons[-1] if action.kind is COMPLETE and entry.reasons else None
         if (
             action.kind in CLEANUP_KINDS
             and entry.completed_at is None  # a success being reopened reached both sides
@@ -505,10 +537,10 @@ class Registry:
         ):
             self._settle(entry, action, role, engines[0])
         else:
-            self.delivery.send(entry.handoff_id, action, role, engines, trace)
+            self.delivery.send(entry.handoff_id, action, role, engines, trace, reason)
         # In a call's answer, a notice to both engines names neither.
         engine_id = engines[0] if len(engines) == 1 else ""
-        return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace)
+        return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace, reason=reason)
 
     def _settle(self, entry: Entry, action: Action, role: Role, engine_id: str) -> None:
         """A cleanup action for a side none of whose actions reached its engine:
@@ -566,6 +598,8 @@ class Registry:
             assert completion is not None
             entry.completed_at = now
             self.metrics.completed_by[completion].inc()
+            if completion is Completion.CANCELED:
+                self.metrics.cancellations_by[entry.reasons[-1].cause].inc()
             self.tracer.completed(entry, completion, now)
             duration = now - entry.started_at
             self.metrics.duration_by[completion].observe(duration, self.tracer.exemplar(entry))
@@ -596,9 +630,11 @@ class Registry:
             (entry.cleanup_epoch, 0),
         )
 
-    def _server_fact(self, entry: Entry, fact: Fact) -> None:
+    def _server_fact(self, entry: Entry, fact: Fact, reason: EndReason) -> None:
         """A fact the server observed itself: a deadline, a lost engine, shutdown."""
-        self._call(entry, fact, lambda core: core.apply_fact(fact), fact=(fact, "server"))
+        self._call(
+            entry, fact, lambda core: core.apply_fact(fact), fact=(fact, "server"), reason=reason
+        )
         self.metrics.facts_by[(fact.kind, "server")].inc()
         if isinstance(fact, EngineLost):
             self._forsake(entry, fact.role)
@@ -634,6 +670,7 @@ class Registry:
         ]
         if not affected:
             return
+        unreachable = LostCause.UNREACHABLE  # None: found unreachable at its start
         if cause is not None:
             self.metrics.engines_lost_by[cause].inc()
             log.warning(
@@ -652,7 +689,8 @@ class Registry:
                         role.value,
                         extra={"handoff_id": entry.handoff_id},
                     )
-                    self._server_fact(entry, EngineLost(role))
+                    why = EndReason(EndCause.ENGINE_LOST, role, engine_id, cause or unreachable)
+                    self._server_fact(entry, EngineLost(role), why)
 
     def _forsake(self, entry: Entry, role: Role) -> None:
         """Nothing for ``role`` is owed to its engine any more (it was lost)."""

@@ -71,7 +71,11 @@ log = logging.getLogger("handoff.journal")
 # (records.encode_retained), and a side settled without ever being sent
 # anything is a record of its own (recovery.FORSAKEN). A version 1 file holds
 # neither, and reads as is.
-FORMAT_VERSION = 2
+# 3: a retained row ends with why the handoff ended (its end reasons), and
+# a fact's row with the reason the server gave it beyond the fact's own (a
+# lost engine's cause, a drain, the caller's text); a format 2 retained row
+# has none, and reads as ended for an unspecified reason.
+FORMAT_VERSION = 3
 DATABASE = "journal.sqlite3"
 LOCK = "lock"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}

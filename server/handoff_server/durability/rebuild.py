@@ -22,8 +22,10 @@ from handoff_server.domain.delivery import Dispatch
 from handoff_server.domain.entries import Entry, StartRequest
 from handoff_server.domain.model import (
     CLEANUP_KINDS,
+    UNSPECIFIED_END,
     Action,
     ActionKind,
+    EndReason,
     EngineLost,
     Fact,
     HandoffError,
@@ -65,7 +67,9 @@ class Rebuild:
         # Roles any of whose actions reached their engine (a tuple: a set
         # costs four times the memory, times every unfinished handoff).
         self._reached: tuple[Role, ...] = ()
-        self._after(seq, at, self._core_call(self.entry.core.start), Phase.ACTIVE, 0)
+        self._after(
+            seq, at, self._core_call(self.entry.core.start), Phase.ACTIVE, 0, UNSPECIFIED_END
+        )
 
     @property
     def handoff_id(self) -> str:
@@ -86,17 +90,20 @@ class Rebuild:
         core = self.entry.core
         acknowledging = core.is_outstanding(action_id)
         phase, events = core.phase, len(self.entry.lifecycle_at)
+        reason = self.entry.reason_for((action_id, outcome))
         actions = self._core_call(core.apply_outcome, action_id, outcome)
         if actions is not None and acknowledging:
             self._acknowledge(action_id, outcome)
-        self._after(seq, at, actions, phase, events)
+        self._after(seq, at, actions, phase, events, reason)
 
-    def fact(self, seq: int, at: float, fact: Fact) -> None:
+    def fact(self, seq: int, at: float, fact: Fact, reason: EndReason | None = None) -> None:
+        """``reason``: the one its record kept, if the fact does not say it by itself."""
         entry = self.entry
         core = entry.core
         phase, events = core.phase, len(entry.lifecycle_at)
         actions = self._core_call(core.apply_fact, fact)
-        pending = self._after(seq, at, actions, phase, events, take=False)
+        reason = reason or entry.reason_for(fact)
+        pending = self._after(seq, at, actions, phase, events, reason, take=False)
         if isinstance(fact, EngineLost) and actions is not None and not self.needs_registry:
             role = fact.role
             self.forsake(role, entry.engine_for(role)[0])
@@ -137,6 +144,7 @@ class Rebuild:
         actions: tuple[Action, ...] | None,
         phase_before: Phase,
         events_before: int,
+        reason: EndReason,
         take: bool = True,
     ) -> list[Dispatch]:
         """What the registry does once the core accepted a call: lifecycle
@@ -147,6 +155,7 @@ class Rebuild:
         entry = self.entry
         core = entry.core
         entry.stamp(events_before, at)
+        entry.end(phase_before, None, reason)
         handoff_id, written = core.handoff_id, self._written
         pending: list[Dispatch] = []
         sequence = numbered(seq)

@@ -5,12 +5,15 @@ The registry hands each accepted call to a :class:`JournalRecorder` (its
 completed handoff is one ``retained`` record that replaces its history
 (journal format 2): it was most of a full journal's records, and nothing
 about it can change but a reopen. Record heads are the vocabulary's own
-names (model.FACT_KINDS), so a fact is spelled once.
+names (model.FACT_KINDS), so a fact is spelled once. Format 3 adds why a
+handoff ended: at the end of a retained record, and of a fact's record when
+the registry gave the fact a reason it does not say by itself (Explained).
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from handoff_server.domain import packing
@@ -21,15 +24,20 @@ from handoff_server.domain.core import (
     SourceStage,
     TransferStage,
 )
-from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.entries import ONLY_SUCCEEDED, Retained, StartRequest
 from handoff_server.domain.model import (
+    UNSPECIFIED_END,
+    ActionKind,
     Canceled,
     Completion,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     Failed,
     LifecycleEvent,
+    LostCause,
     Order,
     Outcome,
     OutcomeKind,
@@ -58,7 +66,24 @@ SIMPLE_FACTS: dict[str, Fact] = {
 # --- what a record says ------------------------------------------------------
 
 
-def encode(call: Recorded) -> list[object]:
+@dataclass(frozen=True, slots=True)
+class Explained:
+    """A fact record that kept why it ends its handoff, beyond what the fact
+    says by itself: a lost engine's cause, a drain, the caller's text."""
+
+    fact: Fact
+    reason: EndReason
+
+
+def encode(call: Recorded, reason: EndReason | None = None) -> list[object]:
+    """A call's record; a fact's ends with ``reason`` if the registry gave one."""
+    body = _encode(call)
+    if reason is not None and not isinstance(call, (tuple, StartRequest)):
+        body.append(_reason(reason))
+    return body
+
+
+def _encode(call: Recorded) -> list[object]:
     if isinstance(call, tuple):
         action_id, outcome = call
         return ["outcome", action_id, outcome.kind.value, outcome.reason]
@@ -133,7 +158,40 @@ def encode_retained(retained: Retained) -> list[object]:
         [destination[0].value, destination[1].value, destination[2]],
         [transfer[0].value, transfer[1]],
         next_id,
+        [_reason(reason) for reason in retained.reasons],
     ]
+
+
+def _reason(reason: EndReason) -> list[Any]:
+    return [
+        reason.cause.value,
+        None if reason.role is None else reason.role.value,
+        reason.engine_id,
+        None if reason.lost_cause is None else reason.lost_cause.value,
+        None if reason.action is None else reason.action.value,
+        reason.detail,
+    ]
+
+
+def _reasons(body: list[list[Any]]) -> tuple[EndReason, ...]:
+    """The reasons a format 3 row keeps; a format 2 row has none (unspecified)."""
+    if not body:
+        return (UNSPECIFIED_END,)
+    reasons = tuple(
+        EndReason(
+            EndCause(cause),
+            None if role is None else Role(role),
+            sys.intern(engine_id),
+            None if lost is None else LostCause(lost),
+            None if action is None else ActionKind(action),
+            detail,
+        )
+        for cause, role, engine_id, lost, action, detail in body
+    )
+    return ONLY_SUCCEEDED if reasons == ONLY_SUCCEEDED else reasons
+
+
+ENDING_FIELDS = 6  # completion, lifecycle, source, destination, transfer, next id
 
 
 def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]) -> Retained:
@@ -146,6 +204,7 @@ def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]
     (_, order, source_id, destination_id, fallback, executor, trace, times, lifecycle_at, *end) = (
         body
     )
+    reasons = _reasons(end.pop() if len(end) > ENDING_FIELDS else [])
     key = f"{order} {end!r}"
     shared = endings.get(key)
     if shared is None:
@@ -157,6 +216,7 @@ def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]
         Role(executor),
         tuple((name, value) for name, value in trace),
         times + lifecycle_at,
+        reasons,
     )
 
 
@@ -185,7 +245,7 @@ def _ending(
     )
 
 
-def decode(handoff_id: str, body: list[Any]) -> Recorded:
+def decode(handoff_id: str, body: list[Any]) -> Recorded | Explained:
     kind = body[0]
     if kind == "outcome":
         _, action_id, outcome_kind, reason = body
@@ -210,8 +270,14 @@ def decode(handoff_id: str, body: list[Any]) -> Recorded:
     if kind == DestinationReserved.kind:
         return DestinationReserved(body[1])
     if kind == EngineLost.kind:
-        return EngineLost(Role(body[1]))
-    return SIMPLE_FACTS[kind]
+        fact: Fact = EngineLost(Role(body[1]))
+        fields = 2
+    else:
+        fact, fields = SIMPLE_FACTS[kind], 1
+    if len(body) > fields:  # format 3: the reason the registry gave it
+        (reason,) = _reasons(body[fields:])
+        return Explained(fact, reason)
+    return fact
 
 
 class JournalRecorder:
@@ -222,8 +288,10 @@ class JournalRecorder:
     def __init__(self, journal: Journal) -> None:
         self.journal = journal
 
-    def record(self, handoff_id: str, at: float, call: Recorded) -> None:
-        self.journal.append(handoff_id, at, encode(call))
+    def record(
+        self, handoff_id: str, at: float, call: Recorded, reason: EndReason | None = None
+    ) -> None:
+        self.journal.append(handoff_id, at, encode(call, reason))
 
     def abandoned(self, handoff_id: str, at: float) -> None:
         self.journal.append(handoff_id, at, [ABANDONED])

@@ -42,6 +42,7 @@ from handoff_server.durability.records import (
     FORSAKEN,
     OWN_RECORDS,
     RETAINED,
+    Explained,
     decode,
     decode_retained,
 )
@@ -166,7 +167,8 @@ def recover(
     return recovery
 
 
-Decoded = Recorded | list[Any]  # a call, or the body of one of the server's own records
+# A call, or the body of one of the server's own records.
+Decoded = Recorded | Explained | list[Any]
 
 
 class Replay:
@@ -198,9 +200,8 @@ class Replay:
         self.ready: set[str] = set()
         self.rebuilds: dict[str, Rebuild] = {}
         # Each distinct body's call, by its text: outcomes and facts repeat a
-        # few ways across a journal, so each is decoded once (a start names
-        # its handoff, which its text does not: never shared).
-        self.calls: dict[str, Recorded] = {}
+        # few ways across a journal, so each is decoded once.
+        self.calls: dict[str, Recorded | Explained] = {}
         self.endings: dict[str, Ending] = {}
 
     def row(self, row: Row) -> None:
@@ -255,6 +256,8 @@ class Replay:
                 rebuild.needs_registry = f"a record of its own: {call[0]}"
         elif isinstance(call, StartRequest):
             rebuild.needs_registry = "a second start"
+        elif isinstance(call, Explained):
+            rebuild.fact(seq, at, call.fact, call.reason)
         else:
             rebuild.fact(seq, at, call)
         if rebuild.needs_registry is not None:
@@ -302,6 +305,8 @@ class Replay:
                 registry.start(call)
             elif isinstance(call, tuple):
                 registry.report_outcome(handoff_id, *call)
+            elif isinstance(call, Explained):
+                registry.report_fact(handoff_id, call.fact, reason=call.reason)
             else:
                 registry.report_fact(handoff_id, call)
         except HandoffError as error:
@@ -321,7 +326,9 @@ class Replay:
         if body[0] in OWN_RECORDS:
             return body
         call = decode(handoff_id, body)
-        if not isinstance(call, StartRequest):
+        # A start names its handoff, an explained fact often its caller's
+        # text: neither repeats, so neither is kept.
+        if not isinstance(call, (StartRequest, Explained)):
             self.calls[text] = call
         return call
 

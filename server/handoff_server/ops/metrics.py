@@ -13,6 +13,7 @@ from handoff_server.domain.model import (
     FACT_KINDS,
     ActionKind,
     Completion,
+    EndCause,
     LostCause,
     OutcomeKind,
     Phase,
@@ -129,6 +130,14 @@ class Metrics:
             "routing on another shard map).",
             registry=r,
         )
+        self.cancellations = Counter(
+            "handoff_cancellations",
+            "Handoffs completed canceled, by why they went into cleanup (the reason "
+            "GetHandoff shows): frontend_canceled, deadline, engine_lost, action_failed, "
+            "failed, drain.",
+            ["reason"],
+            registry=r,
+        )
         self.unknown_engine_starts = Counter(
             "handoff_unknown_engine_starts",
             "StartHandoff calls naming an engine that has not subscribed to this server "
@@ -139,6 +148,9 @@ class Metrics:
         # Label children resolved once: .labels() costs a lock and a dict
         # lookup on every call, and these run on every handoff.
         self.completed_by = {c: self.completed.labels(c.value) for c in Completion}
+        self.cancellations_by: dict[EndCause, Counter] = {
+            c: self.cancellations.labels(c.value) for c in EndCause if c is not EndCause.SUCCEEDED
+        }
         self.duration_by = {c: self.duration.labels(c.value) for c in Completion}
         self.actions_by = {k: self.actions.labels(k.value) for k in ActionKind}
         self.redeliveries_by = {k: self.redeliveries.labels(k.value) for k in ActionKind}

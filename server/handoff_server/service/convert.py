@@ -20,11 +20,14 @@ from handoff_server.domain.model import (
     Canceled,
     Completion,
     DestinationReserved,
+    EndCause,
+    EndReason,
     EngineLost,
     Fact,
     Failed,
     InvalidArgument,
     LifecycleEvent,
+    LostCause,
     Order,
     Outcome,
     OutcomeKind,
@@ -78,6 +81,8 @@ ROLES = {
 }
 PHASES = {phase: pb.Phase.Value("PHASE_" + phase.name) for phase in Phase}
 COMPLETIONS = {c: pb.Completion.Value("COMPLETION_" + c.name) for c in Completion}
+END_CAUSES = {c: pb.EndCause.Value("END_CAUSE_" + c.name) for c in EndCause}
+LOST_CAUSES = {c: pb.LostCause.Value("LOST_CAUSE_" + c.name) for c in LostCause}
 PB_ORDERS = {order: value for value, order in ORDERS.items()}
 EVENTS = {
     event: pb.LifecycleEventKind.Value("LIFECYCLE_EVENT_KIND_" + event.name)
@@ -218,6 +223,14 @@ def fact(message: pb.Fact) -> Fact:
     return FACT_TRANSFER_COMPLETED if which == "transfer_completed" else FACT_TIMED_OUT
 
 
+def fact_text(message: pb.Fact) -> str:
+    """The reason text a Canceled or Failed fact brings (why it ended), else ''."""
+    which = message.WhichOneof("kind")
+    if which == "canceled":
+        return message.canceled.reason
+    return message.failed.reason if which == "failed" else ""
+
+
 def _reason(value: str, field: str, required: bool) -> str:
     if required and not value:
         raise InvalidArgument(f"{field} is required for a failed outcome")
@@ -255,6 +268,8 @@ def action(dispatch: Dispatch) -> pb.Action:
         message.completion = COMPLETIONS[dispatch.action.completion]
     if dispatch.trace is not None:
         message.traceparent, message.tracestate = dispatch.trace
+    if dispatch.reason is not None:
+        message.end_reason.CopyFrom(end_reason(dispatch.reason))
     return message
 
 
@@ -290,6 +305,20 @@ def handoff(entry: Entry | Retained) -> pb.Handoff:
         message.completed_at.FromNanoseconds(_nanoseconds(entry.completed_at))
     if entry.abandoned_at is not None:
         message.abandoned = True
+    message.end_reasons.extend([end_reason(r) for r in entry.reasons])
+    return message
+
+
+def end_reason(reason: EndReason) -> pb.EndReason:
+    message = pb.EndReason(
+        cause=END_CAUSES[reason.cause], engine_id=reason.engine_id, detail=reason.detail
+    )
+    if reason.role is not None:
+        message.role = ROLES[reason.role]
+    if reason.lost_cause is not None:
+        message.lost_cause = LOST_CAUSES[reason.lost_cause]
+    if reason.action is not None:
+        message.action = ACTION_KINDS[reason.action]
     return message
 
 

@@ -234,7 +234,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         handoff_id = convert.handoff_id(request.handoff_id)
         fact = convert.fact(request.fact)
         security.authorize_report(self.registry.get(handoff_id), fact=fact)
-        return self.registry.report_fact(handoff_id, fact)
+        return self.registry.report_fact(handoff_id, fact, detail=convert.fact_text(request.fact))
 
     def _report_outcome(self, request: pb.ReportOutcomeRequest) -> CallResult:
         handoff_id = convert.handoff_id(request.handoff_id)
