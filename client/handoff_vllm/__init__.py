@@ -6,7 +6,9 @@ not import vLLM; the connector module does, so it only loads inside vLLM.
 
 - ``settings``: the ``"handoff"`` object of ``kv_connector_extra_config``.
 - ``engine``: the sidecar's handlers and the scheduler's hooks, one lock between.
-- ``runner``: the sidecar's thread and event loop in the engine-core process.
+- ``runner``: the engine core's end: spawns the sidecar process, serves its calls.
+- ``sidecar``: the sidecar process (``EngineSidecar``, the lease) beside the engine core.
+- ``channel``: the local channel between the two.
 - ``orders``: what the scheduler tells its worker each step.
 - ``connector``: the vLLM connector (NIXL's pull connector, subclassed).
 """

@@ -21,7 +21,8 @@ is NIXL's own), with four changes for requests that carry
 - the facts come from vLLM's own callbacks (SourceHeld at ``request_finished``,
   DestinationReserved at ``update_state_after_alloc``, TransferCompleted at the
   finished receive);
-- the scheduler-side connector runs the sidecar (runner.py); its orders to
+- the scheduler-side connector runs the sidecar in a process beside the engine
+  core (runner.py, sidecar.py, over channel.py); its orders to
   the worker ride on the step's connector metadata (orders.py).
 """
 
@@ -44,7 +45,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from handoff_vllm import settings as settings_module
 from handoff_vllm.engine import HandoffEngine
 from handoff_vllm.orders import ATTRIBUTE, WorkerOrders
-from handoff_vllm.runner import SidecarThread
+from handoff_vllm.runner import SidecarProcess
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,12 +105,12 @@ class HandoffConnector(NixlPullConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._settings = settings
         self._engine: HandoffEngine | None = None
-        self._sidecar: SidecarThread | None = None
+        self._sidecar: SidecarProcess | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._engine = HandoffEngine(
                 settings.engine_id, kv_bytes_per_token(kv_cache_config), settings.bandwidth_gb_s
             )
-            self._sidecar = SidecarThread(settings, self._engine)
+            self._sidecar = SidecarProcess(settings, self._engine)
             self._sidecar.start()
         elif role == KVConnectorRole.WORKER:
             worker = self.connector_worker

@@ -2,8 +2,9 @@
 
 Two threads meet here. vLLM's scheduler thread calls the ``on_*`` hooks (from
 the connector's scheduler-side methods) and takes the worker's orders once
-per step; the sidecar's own thread runs an asyncio loop with the
-``EngineSidecar`` and the handlers. Every piece of state is guarded by one
+per step; the sidecar's thread runs an asyncio loop with the handlers, which
+the ``EngineSidecar`` in the sidecar process calls over a local channel
+(runner.py). Every piece of state is guarded by one
 lock, held only for a few dictionary operations, so the scheduler never waits
 on the network. Handlers that must see vLLM act (a free, an activation) wait
 on a change notice the scheduler thread posts to the loop.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,15 +31,12 @@ from handoff_client import (
     SUBMITTED,
     Action,
     Facts,
-    HandoffClient,
     Outcome,
-    Phase,
     Role,
     TimingMode,
     TransferTiming,
     failed,
 )
-from handoff_client.errors import NotFoundError
 from handoff_vllm.orders import WorkerOrders
 
 log = logging.getLogger("handoff.vllm")
@@ -101,12 +99,23 @@ class HandoffEngine:
         self._orders = WorkerOrders()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._facts: Facts | None = None
-        self._client: HandoffClient | None = None
+        self._lookup: Callable[[str], Awaitable[str | None]] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
 
-    def attach(self, loop: asyncio.AbstractEventLoop, client: HandoffClient, facts: Facts) -> None:
-        """Called on the loop once the sidecar runs."""
-        self._loop, self._client, self._facts = loop, client, facts
+    def attach(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        lookup: Callable[[str], Awaitable[str | None]],
+        facts: Facts,
+    ) -> None:
+        """Called on the handlers' loop before any handler runs. ``lookup(handoff_id)``
+        says why a handoff is gone on the coordinator (None: it lives, or no answer)."""
+        self._loop, self._lookup, self._facts = loop, lookup, facts
+
+    @property
+    def facts(self) -> Facts:
+        assert self._facts is not None, "attach() first"
+        return self._facts
 
     # --- helpers --------------------------------------------------------------
 
@@ -391,18 +400,24 @@ class HandoffEngine:
         loop.call_soon_threadsafe(start)
 
     async def _handoff_gone(self, handoff_id: str) -> str | None:
-        if self._client is None:
-            return None
-        try:
-            handoff = await self._client.get_handoff(handoff_id)
-        except NotFoundError:
-            return f"handoff {handoff_id} is unknown to the coordinator"
-        except Exception as error:  # unreachable: keep waiting, the lease decides
-            log.info("GetHandoff %s failed: %s", handoff_id, error)
-            return None
-        if handoff.phase is Phase.COMPLETE:
-            return f"handoff {handoff_id} already ended ({handoff.completion})"
-        return None
+        return None if self._lookup is None else await self._lookup(handoff_id)
+
+    def orphaned(self, why: str) -> None:
+        """The sidecar died while vLLM runs: the coordinator takes this engine for
+        lost and will not free for it. Held sources go back to NIXL's lease (a
+        decode may still pull them), unactivated decodes fail their load, and a
+        prefill still running is freed at its end."""
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.prefill_request is not None and not entry.source_freed:
+                    entry.source_canceled = True
+                    if entry.held and not entry.handed_back:
+                        entry.handed_back = True
+                        self._orders.hand_back.add(entry.prefill_request)
+                running = (entry.activate and entry.released) or entry.full_hit
+                if entry.decode_request is not None and not entry.decode_finished and not running:
+                    self._doom(entry, why)
+                self._changed(entry)
 
     # --- the sidecar's handlers (the loop's thread) ------------------------------
 

@@ -32,6 +32,7 @@ from handoff_proxy.metrics import ProxyMetrics
 from handoff_proxy.pairs import Pool
 
 log = logging.getLogger("handoff.proxy")
+KEEPALIVE_S = 2.0  # an idle connection to an engine, at most
 
 CONFIG = web.AppKey("config", ProxyConfig)
 SERVICES = web.AppKey("services", Services)
@@ -67,7 +68,11 @@ async def _services(app: web.Application) -> AsyncIterator[None]:
         )
     session = aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s),
-        connector=aiohttp.TCPConnector(limit=0),  # the engines' own limits apply
+        # The engines' own limits apply (limit=0). An idle connection is not kept
+        # past KEEPALIVE_S: vLLM's server closes its idle ones after 5 s
+        # (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and a leg sent on one it just closed
+        # fails with "Server disconnected" (seen beside a CPU-bound process).
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
     )
     engines = [("prefill", e.engine_id) for e in config.prefill]
     engines += [("decode", e.engine_id) for e in config.decode]

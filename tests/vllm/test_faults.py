@@ -8,13 +8,15 @@ too), both engines idle by vLLM's own /metrics, and the next request answered.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
+from typing import Any
 
 import httpx
 import pytest
 
-from handoff_client import Completion, Handoff, HandoffClient
+from handoff_client import Completion, Handoff, HandoffClient, LifecycleEventKind
 from tests.vllm.support import (
     Engine,
     LegError,
@@ -46,6 +48,23 @@ async def answered(pair: Pair, client: HandoffClient, http: httpx.AsyncClient) -
     await expect_end(client, handoff_id, Completion.SUCCESS)
 
 
+async def held(
+    pair: Pair,
+    client: HandoffClient,
+    http: httpx.AsyncClient,
+    prompt: str,
+    event: str = "SOURCE_HELD",
+) -> tuple[str, dict[str, Any]]:
+    """A handoff whose prefill leg ran, once ``event`` is in its lifecycle on the
+    coordinator: (handoff id, the params for its decode leg)."""
+    handoff_id = await pair.start_handoff(client)
+    params = await prefill_leg(http, pair.prefill.url, prompt, handoff_id)
+    await poll(
+        f"{event} on the coordinator", lambda: lifecycle_has(client, handoff_id, event), 30.0
+    )
+    return handoff_id, params
+
+
 async def restart(engine: Engine) -> None:
     engine.kill()
     engine.start()
@@ -55,13 +74,7 @@ async def restart(engine: Engine) -> None:
 async def test_kill_decode_after_source_held_frees_the_prefill_within_the_delivery_timeout(
     pair: Pair, client: HandoffClient, http: httpx.AsyncClient
 ) -> None:
-    handoff_id = await pair.start_handoff(client)
-    await prefill_leg(http, pair.prefill.url, "Held for a decode that dies " * 4, handoff_id)
-    await poll(
-        "SourceHeld on the coordinator",
-        lambda: lifecycle_has(client, handoff_id, "SOURCE_HELD"),
-        30.0,
-    )
+    handoff_id, _ = await held(pair, client, http, "Held for a decode that dies " * 4)
     assert not await pair.prefill.idle_now()  # the prefill holds the blocks
     pair.decode.kill()
     killed = time.monotonic()
@@ -79,13 +92,7 @@ async def test_kill_prefill_before_the_read_fails_the_decode_instead_of_decoding
     pair: Pair, client: HandoffClient, http: httpx.AsyncClient
 ) -> None:
     prompt = "A prefill that dies before its KV is read " * 3
-    handoff_id = await pair.start_handoff(client)
-    params = await prefill_leg(http, pair.prefill.url, prompt, handoff_id)
-    await poll(
-        "SourceHeld on the coordinator",
-        lambda: lifecycle_has(client, handoff_id, "SOURCE_HELD"),
-        30.0,
-    )
+    handoff_id, params = await held(pair, client, http, prompt)
     pair.prefill.kill()
     await expect_end(client, handoff_id, Completion.CANCELED)
     # The decode leg of an ended handoff fails its load: no token decoded.
@@ -104,22 +111,22 @@ async def test_a_decode_for_a_handoff_the_coordinator_never_heard_of_fails_its_l
 ) -> None:
     prompt = "Nobody started this handoff " * 3
     params = await prefill_leg(http, pair.prefill.url, prompt, None)  # plain NIXL prefill
-    params["handoff_id"] = str(uuid.uuid4())
     with pytest.raises(LegError):
-        await decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS)
-    await asyncio.gather(pair.prefill.idle(timeout_s=90.0), pair.decode.idle())
+        await decode_leg(
+            http, pair.decode.url, prompt, {**params, "handoff_id": str(uuid.uuid4())}, MAX_TOKENS
+        )
+    await pair.decode.idle()
+    # The same legs without a handoff id are plain vLLM P/D, untouched: its read
+    # frees the prefill now, not at NIXL's lease.
+    reference = await complete(http, pair.prefill.url, prompt, MAX_TOKENS)
+    assert await decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS) == reference
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
 
 
 async def test_canceled_before_the_decode_leg_frees_the_prefill_at_once(
     pair: Pair, client: HandoffClient, http: httpx.AsyncClient
 ) -> None:
-    handoff_id = await pair.start_handoff(client)
-    await prefill_leg(http, pair.prefill.url, "A client that goes away " * 4, handoff_id)
-    await poll(
-        "SourceHeld on the coordinator",
-        lambda: lifecycle_has(client, handoff_id, "SOURCE_HELD"),
-        30.0,
-    )
+    handoff_id, _ = await held(pair, client, http, "A client that goes away " * 4)
     await client.cancel(handoff_id, "client disconnected")
     await expect_end(client, handoff_id, Completion.CANCELED)
     await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
@@ -164,3 +171,46 @@ async def test_kill_the_proxy_mid_stream_leaves_both_engines_idle(
     reference = await complete(http, pair.prefill.url, "After the proxy's restart", MAX_TOKENS)
     _, text = await proxy.complete(http, "After the proxy's restart", MAX_TOKENS, stream=False)
     assert text == reference
+
+
+async def test_kill_9_of_the_coordinator_mid_flight_then_a_restart_on_its_state_dir(
+    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    prompt = "The coordinator dies while the prefill holds " * 3
+    reference = await complete(http, pair.prefill.url, prompt, MAX_TOKENS)
+    handoff_id, params = await held(pair, client, http, prompt)
+    pair.coordinator.kill()
+    pair.coordinator.start()  # the same port and --state-dir
+    await pair.coordinator.ready()
+    # The restarted coordinator resumes the handoff from its journal; the
+    # sidecars resubscribe; the decode leg is answered, and right.
+    assert await decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS) == reference
+    await expect_end(client, handoff_id, Completion.SUCCESS)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
+
+
+async def test_a_decode_stopped_past_the_delivery_timeout_never_reads_the_freed_prefill(
+    pair: Pair, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    prompt = "A decode that stops while its prefill waits " * 3
+    handoff_id, params = await held(pair, client, http, prompt, "DESTINATION_ACCEPTED")
+    pair.decode.signal(signal.SIGSTOP)  # the engine and its sidecar: a stalled host
+    try:
+        # Its leg waits in the stopped server's backlog.
+        leg = asyncio.ensure_future(decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS))
+        # Keepalive (Coordinator's 5 s + 5 s) ends its stream, the delivery
+        # timeout declares it lost, and the prefill is freed by CancelSource.
+        handoff = await ended(client, handoff_id, timeout_s=60.0)
+        assert handoff.completion is Completion.CANCELED, handoff
+        assert LifecycleEventKind.DESTINATION_LOST in {e.kind for e in handoff.lifecycle}
+        await pair.prefill.idle(timeout_s=30.0)
+    finally:
+        pair.decode.signal(signal.SIGCONT)
+    # Resumed, the decode fails its load (its lease and reconcile say the
+    # handoff ended): no token decoded from blocks the prefill freed.
+    with pytest.raises(LegError) as failure:
+        await leg
+    assert failure.value.leg == "decode"
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
