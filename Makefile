@@ -114,7 +114,8 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/mypy --config-file tests/vllm/mypy.ini client/handoff_vllm
 	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
 		$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --confcutdir=tests/vllm \
-		$(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests/vllm)
+		$(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests/vllm); \
+		rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
 
 demo-vllm: $(STAMP) $(VLLM_STAMP)
 	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm_demo
