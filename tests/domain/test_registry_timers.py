@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from handoff_server.domain.model import NotFound
+from handoff_server.domain.model import NotFound, Phase
+from handoff_server.domain.registry import LOSS_CHUNK
 from handoff_server.domain.timers import TimerHeap, TimerKind
 from tests.support.registry import DESTINATION, SOURCE, Harness
 
@@ -56,3 +57,27 @@ def test_compaction_while_a_timer_fires_never_fires_another_twice() -> None:
     while (timer := heap.pop_due(10.0)) is not None:
         fired.append(timer.key)
     assert fired == ["engine-a", "engine-b"]
+
+
+def test_a_lost_backlog_is_reported_a_chunk_per_turn_in_linear_time() -> None:
+    """An engine lost with a backlog far above LOSS_CHUNK: each fire_due
+    reports one chunk (the loop runs in between), next_wakeup says more is due
+    at once, and all of them are lost in the end, with one summary line."""
+    h = Harness(
+        delivery_timeout_s=5.0, default_timeout_s=600.0, max_queued_actions_per_engine=100_000
+    )
+    h.subscribe(DESTINATION)
+    backlog = 5 * LOSS_CHUNK + 3
+    ids = [h.start() for _ in range(backlog)]
+    h.clock.advance(5.0)
+    h.registry.fire_due()
+    lost = [i for i in ids if h.phase(i) is not Phase.ACTIVE]
+    assert len(lost) == LOSS_CHUNK
+    assert h.registry.next_wakeup() == h.clock.now
+    turns = 1
+    while h.registry.next_wakeup() == h.clock.now:
+        h.registry.fire_due()
+        turns += 1
+    assert turns == 6
+    assert all(h.phase(i) is not Phase.ACTIVE for i in ids)
+    assert h.value("handoff_engines_lost_total", cause="unreachable") == 1

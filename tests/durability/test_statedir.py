@@ -67,3 +67,18 @@ def test_a_read_only_directory_is_refused_naming_the_setting(tmp_path: Path) -> 
         tmp_path.chmod(0o700)
     assert f"--state-dir {state} is not writable" in str(refused.value)
     assert FIX in str(refused.value)
+
+
+def test_a_symlink_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    """The lock is on the directory itself, opened without following a link:
+    a link is refused with the setting to fix, not a bare OSError."""
+    real = tmp_path / "real"
+    real.mkdir()
+    state = tmp_path / "state"
+    state.symlink_to(real)
+    with pytest.raises(JournalError) as refused:
+        Journal.open(state)
+    assert f"--state-dir {state} cannot be locked" in str(refused.value)
+    assert "not a symlink" in str(refused.value)
+    assert FIX in str(refused.value)
+    assert list(real.iterdir()) == []

@@ -258,3 +258,24 @@ async def alongside(
     finally:
         until.set()
         await task
+
+
+async def rate(client: WellBehaved, seconds: float) -> float:
+    """The client's completed handoffs per second over the next ``seconds``."""
+    loop = asyncio.get_running_loop()
+    began, before = loop.time(), client.completed
+    await asyncio.sleep(seconds)  # a measurement window, not a wait for an event
+    return (client.completed - before) / (loop.time() - began)
+
+
+async def metric(served: Served, name: str) -> float:
+    """The sum of the samples of ``name`` on the server's /metrics (0 if absent)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.metrics_port)
+    writer.write(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+    body = (await reader.read()).decode()
+    writer.close()
+    total = 0.0
+    for line in body.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

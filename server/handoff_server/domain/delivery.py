@@ -89,6 +89,7 @@ class EngineChannel:
         "engine_id",
         "queue",
         "unacked",
+        "owed",
         "handoffs",
         "reached",
         "incarnation",
@@ -104,6 +105,9 @@ class EngineChannel:
         self.queue: dict[Key, Dispatch] = {}
         # Every outstanding action of this engine, written or not (never Complete).
         self.unacked: dict[Key, Dispatch] = {}
+        # The keys of ``unacked`` by handoff: forsaking a handoff's side costs its
+        # own actions, so losing an engine is linear in its handoffs.
+        self.owed: dict[str, set[Key]] = {}
         # Unfinished handoffs naming this engine: all are lost with it when it
         # goes unreachable, even those that owe it no action (a prefill that
         # died while running would otherwise hold its decode's memory).
@@ -119,6 +123,21 @@ class EngineChannel:
         self.offline_since: float | None = now
         # Whether any stream ever subscribed while this channel was remembered.
         self.connected = False
+
+    def owe(self, key: Key, dispatch: Dispatch) -> None:
+        self.unacked[key] = dispatch
+        self.owed.setdefault(key[0], set()).add(key)
+
+    def settle(self, key: Key) -> Dispatch | None:
+        """No longer owed (acknowledged, dropped, forsaken): out of every index."""
+        dispatch = self.unacked.pop(key, None)
+        self.queue.pop(key, None)
+        keys = self.owed.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.owed[key[0]]
+        return dispatch
 
     def notify(self) -> None:
         if self.subscription is not None:
@@ -196,8 +215,7 @@ class Delivery:
                 lost, channel.reached = channel.reached, {}
                 for key, dispatch in list(channel.unacked.items()):
                     if dispatch.target in lost.get(dispatch.handoff_id, ()):
-                        del channel.unacked[key]
-                        channel.queue.pop(key, None)
+                        channel.settle(key)
             channel.incarnation = incarnation
         if previous is not None:
             previous.closed = True
@@ -259,7 +277,7 @@ class Delivery:
                 dispatch.trace,
             )
             if dispatch.action.kind is not ActionKind.COMPLETE:
-                channel.unacked[key] = dispatch
+                channel.owe(key, dispatch)
                 channel.reached.setdefault(dispatch.handoff_id, set()).add(dispatch.target)
             batch.append(dispatch)
         return batch
@@ -321,7 +339,7 @@ class Delivery:
             key = (handoff_id, action.id)
             channel.queue[key] = dispatch
             if action.kind is not ActionKind.COMPLETE:
-                channel.unacked[key] = dispatch
+                channel.owe(key, dispatch)
             channel.notify()
 
     def _never_came(self, channel: EngineChannel) -> bool:
@@ -337,8 +355,7 @@ class Delivery:
             channel = self._channels.get(engine_id)
             if channel is None:
                 continue
-            dispatch = channel.unacked.pop(key, None)
-            channel.queue.pop(key, None)
+            dispatch = channel.settle(key)
             if dispatch is not None and handoff_id in channel.handoffs:
                 channel.reached.setdefault(handoff_id, set()).add(dispatch.target)
 
@@ -348,8 +365,7 @@ class Delivery:
         for engine_id in engines:
             channel = self._channels.get(engine_id)
             if channel is not None:
-                channel.unacked.pop(key, None)
-                channel.queue.pop(key, None)
+                channel.settle(key)
 
     def reached(self, handoff_id: str, role: Role, engine_id: str) -> bool:
         """Whether any action of the handoff for ``role`` reached ``engine_id``."""
@@ -362,10 +378,9 @@ class Delivery:
         channel = self._channels.get(engine_id)
         if channel is None:
             return
-        for key, dispatch in list(channel.unacked.items()):
-            if key[0] == handoff_id and dispatch.target is role:
-                del channel.unacked[key]
-                channel.queue.pop(key, None)
+        for key in list(channel.owed.get(handoff_id, ())):
+            if channel.unacked[key].target is role:
+                channel.settle(key)
 
     def adopt(
         self,
@@ -381,7 +396,7 @@ class Delivery:
         self.engage(handoff_id, engines)
         for dispatch in written:
             channel = self._channels[dispatch.engine_id]
-            channel.unacked[(handoff_id, dispatch.action.id)] = dispatch
+            channel.owe((handoff_id, dispatch.action.id), dispatch)
         for engine_id, role in reached:
             self._channels[engine_id].reached.setdefault(handoff_id, set()).add(role)
 

@@ -23,7 +23,7 @@ import functools
 import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -65,6 +65,8 @@ log = logging.getLogger("handoff.registry")
 Clock = Callable[[], float]  # seconds since the Unix epoch, never going backwards
 
 MAX_REDELIVERY_DELAY_S = 30.0
+# Handoffs of a lost engine reported per turn of the event loop (see Registry._lose).
+LOSS_CHUNK = 8
 LOST_BECAUSE = {
     LostCause.RESTARTED: "restarted under a new incarnation",
     LostCause.RECONCILED: "its sidecar freed these sides on its own (lease or orphan)",
@@ -152,6 +154,10 @@ class Registry:
         # What the server does on its own after a call, each a call of its own.
         self._follow_ups: deque[Callable[[], None]] = deque()
         self._following_up = False
+        # Losses of a crashed engine's backlog still to report (engine, handoff, roles).
+        # A lost backlog's completions are summed up, not one line each (_lose_queued).
+        self._completion_level = logging.INFO
+        self._losing: deque[tuple[str, Iterator[str], Mapping[str, set[Role] | None]]] = deque()
         self._epochs = itertools.count(1)
         self.draining = False
         self.recorder: Recorder = NOT_RECORDING
@@ -192,6 +198,8 @@ class Registry:
         return entry
 
     def next_wakeup(self) -> float | None:
+        if self._losing:
+            return self.clock()
         candidates = [
             t
             for t in (self._timers.next_at(), self.retention.next_expiry(), self._abandoned.due())
@@ -368,6 +376,7 @@ class Registry:
                 self.metrics.timer_errors.inc()
                 whose = "engine_id" if timer.kind in ENGINE_TIMERS else "handoff_id"
                 log.exception("%s timer failed", timer.kind.value, extra={whose: timer.key})
+        self._lose_queued()
         self.retention.expire(now)
         self._abandoned.flush(now)
         self._timers.compact(self._live_timers_bound())
@@ -523,7 +532,7 @@ class Registry:
         def settle() -> None:
             settled = self.handoffs.get(handoff_id)
             if isinstance(settled, Entry) and settled.core.is_outstanding(action_id):
-                log.info(
+                log.debug(
                     "%s#%d settled by the server: nothing was ever sent to engine %s",
                     action.kind.value,
                     action_id,
@@ -575,8 +584,11 @@ class Registry:
             # Before keep(): an eviction of this very handoff drops the snapshot too.
             self.recorder.completed(retained, now)
             self.retention.keep(retained)
-            log.info(
-                "handoff complete: %s", completion.value, extra={"handoff_id": entry.handoff_id}
+            log.log(
+                self._completion_level,
+                "handoff complete: %s",
+                completion.value,
+                extra={"handoff_id": entry.handoff_id},
             )
             self._finished(entry.handoff_id)
 
@@ -614,17 +626,26 @@ class Registry:
                 self._follow_ups.append(functools.partial(self._lose, engine_id, lost, None))
 
     def _engine_unreachable(self, engine_id: str) -> None:
-        handoffs = self.delivery.handoffs_of(engine_id)
-        lost: dict[str, set[Role]] = {}
-        for handoff_id in handoffs:
-            entry = self.handoffs.get(handoff_id)
-            if isinstance(entry, Entry):
-                lost[handoff_id] = set(entry.roles_of(engine_id))
+        # Every role it plays in each: worked out as each is lost (see _lose).
+        lost: dict[str, set[Role] | None] = dict.fromkeys(self.delivery.handoffs_of(engine_id))
         self._lose(engine_id, lost, cause=LostCause.UNREACHABLE)
 
-    def _lose(self, engine_id: str, lost: dict[str, set[Role]], cause: LostCause | None) -> None:
+    def _lose(
+        self, engine_id: str, lost: Mapping[str, set[Role] | None], cause: LostCause | None
+    ) -> None:
         """Report EngineLost for ``engine_id``'s roles in each unfinished handoff of
-        ``lost``; ``cause`` counts it (None: the engine was counted already)."""
+        ``lost`` (None: every role it plays there); ``cause`` counts it (None:
+        the engine was counted already).
+
+        One summary line; a loss of more than LOSS_CHUNK handoffs (an engine
+        that crashed with a backlog) is queued and reported a chunk per turn
+        of the event loop (see fire_due), so health and every other call keep
+        being answered while it goes on."""
+        if len(lost) > LOSS_CHUNK:
+            self._count_lost(engine_id, len(lost), cause)
+            self._losing.append((engine_id, iter(sorted(lost)), lost))
+            self._on_earlier_timer()
+            return
         affected = [
             entry
             for handoff_id in sorted(lost)
@@ -632,27 +653,57 @@ class Registry:
             and entry.abandoned_at is None
             and entry.core.phase is not Phase.COMPLETE
         ]
-        if not affected:
-            return
+        if affected:
+            self._count_lost(engine_id, len(affected), cause)
+        for entry in affected:
+            self._lose_one(engine_id, entry, lost[entry.handoff_id])
+
+    def _count_lost(self, engine_id: str, handoffs: int, cause: LostCause | None) -> None:
         if cause is not None:
             self.metrics.engines_lost_by[cause].inc()
             log.warning(
                 "engine lost (%s): reporting EngineLost in its %d unfinished handoffs",
                 LOST_BECAUSE.get(cause)
                 or f"no live stream for {self.settings.delivery_timeout_s:.1f} s",
-                len(affected),
+                handoffs,
                 extra={"engine_id": engine_id},
             )
-        for entry in affected:
-            for role in sorted(lost[entry.handoff_id], key=lambda r: r.value, reverse=True):
-                if entry.core.phase is not Phase.COMPLETE:
-                    log.warning(
-                        "engine %s lost as %s",
-                        engine_id,
-                        role.value,
-                        extra={"handoff_id": entry.handoff_id},
+
+    def _lose_queued(self) -> None:
+        """Report the next LOSS_CHUNK queued losses (see _lose); the handoffs
+        they complete are summed up in one line per engine, not logged each."""
+        budget = LOSS_CHUNK
+        self._completion_level = logging.DEBUG
+        try:
+            while self._losing and budget:
+                engine_id, handoff_ids, lost = self._losing[0]
+                for handoff_id in itertools.islice(handoff_ids, budget):
+                    budget -= 1
+                    entry = self.handoffs.get(handoff_id)
+                    if isinstance(entry, Entry) and entry.abandoned_at is None:
+                        self._lose_one(engine_id, entry, lost[handoff_id])
+                if budget:
+                    self._losing.popleft()
+                    log.info(
+                        "engine lost: EngineLost reported in all %d of its handoffs",
+                        len(lost),
+                        extra={"engine_id": engine_id},
                     )
-                    self._server_fact(entry, EngineLost(role))
+        finally:
+            self._completion_level = logging.INFO
+
+    def _lose_one(self, engine_id: str, entry: Entry, roles: set[Role] | None) -> None:
+        if roles is None:
+            roles = set(entry.roles_of(engine_id))
+        for role in sorted(roles, key=lambda r: r.value, reverse=True):
+            if entry.core.phase is not Phase.COMPLETE:
+                log.debug(
+                    "engine %s lost as %s",
+                    engine_id,
+                    role.value,
+                    extra={"handoff_id": entry.handoff_id},
+                )
+                self._server_fact(entry, EngineLost(role))
 
     def _forsake(self, entry: Entry, role: Role) -> None:
         """Nothing for ``role`` is owed to its engine any more (it was lost)."""

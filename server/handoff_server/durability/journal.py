@@ -55,6 +55,7 @@ import logging
 import math
 import os
 import sqlite3
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterator
@@ -177,7 +178,9 @@ class Journal:
         except PermissionError as error:
             raise JournalError(statedir.unwritable(state_dir, error)) from error
         try:
+            _private_dir(state_dir, lock_fd)
             path = state_dir / DATABASE
+            _private_database(path)
             _report_torn_tail(path)
             try:
                 connection = _connect(path, durability)
@@ -445,21 +448,88 @@ def fresh_incarnation() -> int:
 
 
 def _lock(state_dir: Path) -> int:
-    """Hold ``state_dir`` for this process; a second server on it is refused."""
-    path = state_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold ``state_dir`` for this process; a second server on it is refused.
+
+    The OS-level lock is on the directory itself, which holds the journal:
+    deleting or replacing the ``lock`` file cannot admit a second server.
+    That file only names the holder's pid, and is opened without following
+    a symlink (a planted link must not make the server overwrite its target)."""
+    try:
+        fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except PermissionError:
+        raise
+    except OSError as error:
+        raise JournalError(
+            f"--state-dir {state_dir} cannot be locked ({error.strerror}): it must be a "
+            f"directory, not a symlink to one; {statedir.FIX}"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
+        try:
+            holder = (state_dir / LOCK).read_text(errors="replace").strip()[:32] or "unknown"
+        except OSError:
+            holder = "unknown"
         raise StateDirBusy(
             f"state dir {state_dir} is in use by another handoff server (pid {holder}); "
             "one server per state dir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        _write_private(state_dir / LOCK, f"{os.getpid()}\n".encode())
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
+
+
+def _private_dir(state_dir: Path, fd: int) -> None:
+    """What the journal holds (engine ids, trace context) is the server's alone:
+    the state dir is 0700. One the server does not own (a volume's root, owned
+    by root with the pod's fsGroup) cannot be changed: said, not refused."""
+    try:
+        os.fchmod(fd, 0o700)
+    except PermissionError:
+        log.warning(
+            "state dir %s is not owned by uid %d: its mode is left as it is; point "
+            "--state-dir at a directory the server creates for it to be 0700",
+            state_dir,
+            os.geteuid(),
+        )
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Replace ``path``'s content, never through a symlink; the file is 0600."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except PermissionError:
+        raise  # the state dir is not writable: the caller says which setting fixes it
+    except OSError as error:
+        raise JournalError(f"{path}: not a regular file the server may write ({error})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JournalError(f"{path}: not a regular file")
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    finally:
+        os.close(fd)
+
+
+def _private_database(path: Path) -> None:
+    """The database (and so its -wal and -shm, which SQLite creates with the
+    database's permissions) is 0600, and never a symlink."""
+    for name, create in ((path.name, os.O_CREAT), (path.name + "-wal", 0), (path.name + "-shm", 0)):
+        try:
+            fd = os.open(path.with_name(name), os.O_RDONLY | create | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            raise JournalError(f"cannot open {path.with_name(name)}: {error}") from None
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.close(fd)
 
 
 def _connect(path: Path, durability: str) -> sqlite3.Connection:

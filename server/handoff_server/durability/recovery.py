@@ -353,11 +353,15 @@ def _trace_again(tracer: Tracing, entry: Entry) -> object:
 @contextlib.contextmanager
 def _no_cyclic_gc() -> Iterator[None]:
     """Replay only adds long-lived objects: the cyclic collector's passes over
-    the growing table find nothing, and cost (bench/RESULTS.md)."""
+    the growing table find nothing, and cost (bench/RESULTS.md). They are
+    frozen after it (out of the collector's sight): else its first passes
+    after recovery would walk the whole table, a stall of the event loop as
+    long as a fraction of the replay."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        gc.freeze()
         if enabled:
             gc.enable()

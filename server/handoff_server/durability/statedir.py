@@ -31,7 +31,7 @@ def prepare(state_dir: Path) -> str | None:
                 f"create it first, or {FIX}"
             )
         try:
-            state_dir.mkdir()
+            state_dir.mkdir(mode=0o700)
         except OSError as error:
             return (
                 f"--state-dir {state_dir} cannot be created ({error.strerror}): make "

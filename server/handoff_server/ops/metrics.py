@@ -17,6 +17,7 @@ from handoff_server.domain.model import (
     OutcomeKind,
     Phase,
 )
+from handoff_server.ops.tracecontext import TRACE_HEADERS
 
 # Handoffs take milliseconds to minutes; decodes after success can run longer.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -52,6 +53,13 @@ class Metrics:
         self.abandoned = Counter(
             "handoff_abandoned",
             "Handoffs removed while still cleaning up after cleanup_timeout.",
+            registry=r,
+        )
+        self.trace_context_dropped = Counter(
+            "handoff_trace_context_dropped",
+            "StartHandoff trace context headers dropped, by header: not one valid W3C "
+            "traceparent, or a tracestate without one or over 512 bytes.",
+            ["header"],
             registry=r,
         )
         self.engines_lost = Counter(
@@ -150,6 +158,9 @@ class Metrics:
             for origin in ("engine", "server")
         }
         self.handoffs_by = {p: self.handoffs.labels(p.value) for p in Phase}
+        self.trace_context_dropped_by = {
+            header: self.trace_context_dropped.labels(header) for header in TRACE_HEADERS
+        }
         self.engines_lost_by = {cause: self.engines_lost.labels(cause.value) for cause in LostCause}
         # Zero-valued series exist from the start, so rate() and absent()
         # behave before the first event.

@@ -166,11 +166,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 self._count(method, grpc.StatusCode.UNAUTHENTICATED)
                 return _refusal(grpc.StatusCode.UNAUTHENTICATED, holder)
             rpc = method.removeprefix(SERVICE_PREFIX)
-            if not holder.may_call(rpc):
+            if (refused := holder.refusal(rpc)) is not None:
                 self._count(method, grpc.StatusCode.PERMISSION_DENIED)
-                scopes = ", ".join(sorted(holder.scopes)) or "none"
-                message = f"{holder} may not call {rpc[:80]} (its scopes: {scopes})"
-                return _refusal(grpc.StatusCode.PERMISSION_DENIED, message)
+                return _refusal(grpc.StatusCode.PERMISSION_DENIED, refused)
             # The handler runs in this call's task, after this returns.
             HOLDER.set(holder)
         handler = await continuation(handler_call_details)

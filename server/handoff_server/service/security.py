@@ -117,6 +117,13 @@ class Token:
         needed = next((scope for scope, rpcs in SCOPES.items() if rpc in rpcs), "read")
         return needed in self.scopes
 
+    def refusal(self, rpc: str) -> str | None:
+        """Why this token may not call ``rpc``; None if it may."""
+        if self.may_call(rpc):
+            return None
+        scopes = ", ".join(sorted(self.scopes)) or "none"
+        return f"{self} may not call {rpc[:80]} (its scopes: {scopes})"
+
     def __str__(self) -> str:
         return f"token {self.name}"
 
@@ -336,10 +343,18 @@ class Caller:
 
 def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
     """A verified client certificate's first DNS or URI SAN, as the caller's
-    identity for the per-identity limits; None without one."""
+    identity for the per-identity limits. A certificate without one is
+    identified by its SHA-256 fingerprint: else no per-identity limit would
+    apply to it. None without a certificate."""
     for kind, name in SAN_PROPERTIES.items():
         for value in auth_context.get(name, ()):
             return f"certificate {kind}:{value.decode('utf-8', 'replace')[:128]}"
+    for pem in auth_context.get("x509_pem_cert", ()):
+        try:
+            der = ssl.PEM_cert_to_DER_cert(pem.decode("ascii", "replace"))
+        except ValueError:
+            der = pem
+        return f"certificate sha256:{hashlib.sha256(der).hexdigest()}"
     return None
 
 

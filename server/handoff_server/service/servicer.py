@@ -22,15 +22,23 @@ import grpc
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.domain.delivery import Dispatch, Fenced, Subscription
-from handoff_server.domain.model import HandoffError, InvalidArgument, ResourceExhausted
+from handoff_server.domain.model import (
+    HandoffError,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from handoff_server.domain.registry import CallResult, Registry
 from handoff_server.durability.journal import JournalFailed
 from handoff_server.ops.metrics import Metrics
+from handoff_server.ops.tracecontext import trace_context
 from handoff_server.service import convert, security
+from handoff_server.service.guard import HOLDER
 from handoff_server.service.newcomers import Newcomers
 from handoff_server.service.shards import Misrouted, Shards
 
 log = logging.getLogger("handoff.servicer")
+REPORT_RPC = {"fact": "ReportFact", "outcome": "ReportOutcome"}
 
 STREAM_BATCH = 256
 Message = TypeVar("Message", pb.Action, pb.ConnectResponse)  # what an engine stream writes
@@ -47,7 +55,6 @@ MAX_OWED_BYTES = 256 * 1024
 # Built once: OutcomeKind.values() makes a new list on every call, and every
 # outcome report names its kind.
 OUTCOME_NAMES = {value: name for name, value in pb.OutcomeKind.items()}
-TRACE_CONTEXT = ("traceparent", "tracestate")
 # Written on a stream that asked for heartbeats when it has been idle for the
 # heartbeat interval: the sidecar's lease counts from the last message it read.
 HEARTBEAT = pb.Action(kind=pb.ACTION_KIND_HEARTBEAT)
@@ -143,7 +150,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> pb.StartHandoffResponse:
         try:
             start = convert.start_request(request)
-            if trace := _trace_context(context):
+            trace, dropped = trace_context(context.invocation_metadata() or ())
+            for header in dropped:
+                self.metrics.trace_context_dropped_by[header].inc()
+            if trace:
                 start = dataclasses.replace(start, trace_context=trace)
             known = start.handoff_id in self.registry.handoffs
             self.shards.check_start(start.handoff_id, known)
@@ -399,6 +409,11 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         """Handle one report and write its acknowledgement where it will be sent."""
         which = request.WhichOneof("kind")
         try:
+            # A report on Connect needs the scope its unary call needs.
+            holder = HOLDER.get()
+            rpc = REPORT_RPC.get(which or "")
+            if holder is not None and rpc and (refused := holder.refusal(rpc)) is not None:
+                raise PermissionDenied(refused)
             if which == "fact":
                 result = self._report_fact(request.fact)
             elif which == "outcome":
@@ -602,9 +617,3 @@ def _fact_subject(request: pb.ReportFactRequest) -> str:
 def _outcome_subject(request: pb.ReportOutcomeRequest) -> str:
     kind = OUTCOME_NAMES.get(request.outcome.kind) or str(request.outcome.kind)
     return f"handoff {_shown(request.handoff_id)}, action {request.action_id}, outcome {kind}"
-
-
-def _trace_context(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, str], ...]:
-    """The caller's W3C trace context headers, if any, for the journal."""
-    metadata = context.invocation_metadata() or ()
-    return tuple((key, str(value)) for key, value in metadata if key in TRACE_CONTEXT)
