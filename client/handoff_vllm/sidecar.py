@@ -4,10 +4,12 @@ Started by the scheduler-side connector (runner.py) with the engine core's
 own interpreter, it runs the product's ``EngineSidecar`` against the
 coordinator: the Connect stream, the heartbeats, the lease and the
 reconcile live here, in a process with its own GIL, so a vLLM scheduler
-that spins (a held prefill keeps it stepping) cannot delay them. Its engine
-is :class:`RemoteEngine`: every handler call goes over the channel to the
-engine core, where ``HandoffEngine`` acts on vLLM's state, and the facts
-the engine core reports come back the same way.
+that spins (a held prefill keeps it stepping) cannot delay them, and in a
+session of its own, so the CPU its engine's spinning workers are given is
+not what its heartbeats wait for. Its engine is :class:`RemoteEngine`:
+every handler call goes over the channel to the engine core, where
+``HandoffEngine`` acts on vLLM's state, and the facts the engine core
+reports come back the same way.
 
 It lives and dies with the engine core: the kernel kills it when the thread
 that started it ends (``PR_SET_PDEATHSIG``), and it exits at once when the
@@ -229,6 +231,11 @@ def die_with(parent_pid: int) -> None:
             log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
     if os.getppid() != parent_pid:
         os._exit(1)  # the engine core died before prctl took
+    # A session of its own, so a scheduling group of its own where the kernel
+    # groups tasks by session (autogroup): the engine's workers spin on the
+    # CPU their group is given, and the heartbeats must not wait behind them.
+    with contextlib.suppress(OSError):
+        os.setsid()
     # A Ctrl-C or SIGTERM to the engine's process group is the engine's to
     # handle: this process ends when the engine core stops or dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -267,8 +267,39 @@ class Engine:
             self.process.wait()
 
     def signal(self, number: int) -> None:
+        """To the engine's process group and its sidecar, which has a session of its own."""
         assert self.process is not None
+        sidecars = self.sidecars()
         os.killpg(self.process.pid, number)
+        for pid in sidecars:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, number)
+
+    def sidecars(self) -> list[int]:
+        """Pids of this engine's sidecar processes: descendants running handoff_vllm.sidecar."""
+        assert self.process is not None
+        root = self.process.pid
+        parents: dict[int, int] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                # pid (comm) state ppid ...: comm may hold spaces, so split after it.
+                text = stat.read_text()
+                parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+
+        def descends(pid: int) -> bool:
+            while pid > 1:
+                pid = parents.get(pid, 0)
+                if pid == root:
+                    return True
+            return False
+
+        found = []
+        for pid in parents:
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"handoff_vllm.sidecar" in command and descends(pid):
+                    found.append(pid)
+        return found
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

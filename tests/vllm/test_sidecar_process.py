@@ -81,6 +81,9 @@ async def test_actions_facts_and_kill_9_cross_the_channel(
 ) -> None:
     prefill, decode = Stub(quick, "prefill-stub"), Stub(quick, "decode-stub")
     try:
+        # Its own session (so its own scheduling group), not its engine's.
+        await poll("the sidecar in a session of its own", _own_session(decode.sidecar_pid), 10.0)
+        assert os.getsid(decode.sidecar_pid) != os.getsid(decode.process.pid)
         handoff_id = str(uuid.uuid4())
         await client.start_handoff(
             handoff_id,
@@ -122,6 +125,13 @@ async def test_actions_facts_and_kill_9_cross_the_channel(
 async def _answered(client: HandoffClient, handoff_id: str) -> bool:
     handoff = await client.get_handoff(handoff_id)
     return not any(a.kind.name == "SUBMIT_PREFILL" for a in handoff.outstanding_actions)
+
+
+def _own_session(pid: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return os.getsid(pid) == pid
+
+    return check
 
 
 def _gone(pid: int) -> Callable[[], Awaitable[bool]]:
