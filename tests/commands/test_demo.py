@@ -123,6 +123,10 @@ def test_a_failed_demo_keeps_the_coordinators_log_and_leaves_no_process(tmp_path
     assert not alive(coordinator_pid(out.splitlines()[0]))
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_an_interrupted_demo_stops_its_coordinator(
     tmp_path: Path, signum: signal.Signals, code: int
@@ -133,6 +137,9 @@ def test_an_interrupted_demo_stops_its_coordinator(
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "TMPDIR": str(tmp_path)},
+        # A suite started in the background of a script inherits SIGINT
+        # ignored, and so would the demo: it must see Ctrl-C as a terminal sends it.
+        preexec_fn=_default_sigint,
     )
     try:
         assert process.stdout is not None
