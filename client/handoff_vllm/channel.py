@@ -34,6 +34,7 @@ CALL = "call"  # (call id, handler name, Action)
 CANCEL = "cancel"  # (call id,): the sidecar cancelled that handler
 ANSWER = "answer"  # (lookup id, why it is gone, or None)
 STARTED = "started"  # (incarnation,)
+SUBSCRIBED = "subscribed"  # (): the coordinator confirmed the first subscription
 
 # RESULT statuses
 OK, RAISED, CANCELLED = "ok", "raised", "cancelled"

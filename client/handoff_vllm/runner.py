@@ -50,6 +50,7 @@ class SidecarProcess:
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
+        self._subscribed = threading.Event()
         self._thread = threading.Thread(target=self._main, name="handoff-sidecar", daemon=True)
         self._channel: ch.Channel | None = None
         self._running: dict[int, asyncio.Task[None]] = {}
@@ -58,8 +59,22 @@ class SidecarProcess:
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        """Returns once the coordinator confirmed the sidecar's subscription, so
+        vLLM reports healthy only as a live engine there; after
+        ``subscribe_timeout_s`` without it, starts anyway and says what to check."""
         self._thread.start()
         self._started.wait(timeout=30.0)
+        settings = self._settings
+        if not self._subscribed.wait(timeout=settings.subscribe_timeout_s):
+            log.warning(
+                "engine %s: not subscribed to the coordinator at %s within %g s; vLLM starts "
+                "anyway, and each handoff naming this engine is canceled (EngineLost) until "
+                "the sidecar subscribes: check the coordinator's address, TLS and token "
+                '(kv_connector_extra_config["handoff"]), or raise its "subscribe_timeout_s"',
+                settings.engine_id,
+                settings.coordinator,
+                settings.subscribe_timeout_s,
+            )
 
     def stop(self) -> None:
         if not self._thread.is_alive():
@@ -164,6 +179,8 @@ class SidecarProcess:
                     future.set_result(args[1])
             elif kind == ch.STARTED:
                 log.info("engine %s: sidecar incarnation %s", self._settings.engine_id, args[0])
+            elif kind == ch.SUBSCRIBED:
+                self._subscribed.set()
             else:
                 log.error("unknown frame %r from the handoff sidecar", kind)
 

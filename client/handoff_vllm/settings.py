@@ -27,6 +27,7 @@ KNOWN_KEYS = frozenset(
         "token",
         "token_file",
         "timeout_s",
+        "subscribe_timeout_s",
         "allow_other_vllm",
     }
 )
@@ -53,6 +54,10 @@ class Settings:
     tls_client_key: str | None = None
     token: str | None = None
     timeout_s: float = 10.0
+    # How long the engine's start waits for its sidecar to subscribe: an engine
+    # that serves before it is a live engine for the coordinator has each
+    # handoff naming it canceled at once (EngineLost, unreachable).
+    subscribe_timeout_s: float = 30.0
     allow_other_vllm: bool = False
 
     @property
@@ -98,7 +103,7 @@ def parse(extra: Mapping[str, Any], kv_lease_duration: object) -> Settings:
             raise SettingsError(
                 f'{where}["token_file"]: cannot read {token_file}: {error}'
             ) from None
-    for key in ("deadline_s", "delivery_timeout_s", "timeout_s"):
+    for key in ("deadline_s", "delivery_timeout_s", "timeout_s", "subscribe_timeout_s"):
         if key in values and not (isinstance(values[key], int | float) and values[key] > 0):
             raise SettingsError(f'{where}["{key}"] must be a positive number of seconds')
     settings = Settings(**values)

@@ -41,6 +41,7 @@ from handoff_client import (
     Facts,
     Failed,
     HandoffClient,
+    OlderIncarnationError,
     Outcome,
     Phase,
     Role,
@@ -193,6 +194,14 @@ async def serve(sock: socket.socket) -> None:
     async def lookup(lookup_id: int, handoff_id: str) -> None:
         channel.send(ch.ANSWER, lookup_id, await gone(client, handoff_id))
 
+    async def subscribed() -> None:
+        try:
+            await sidecar.wait_subscribed()
+        except OlderIncarnationError as error:
+            log.error("engine %s: %s", settings.engine_id, error)
+            return
+        channel.send(ch.SUBSCRIBED)
+
     async with client, sidecar:
         log.info(
             "handoff sidecar of engine %s started (coordinator %s, incarnation %s, pid %d)",
@@ -202,6 +211,7 @@ async def serve(sock: socket.socket) -> None:
             os.getpid(),
         )
         channel.send(ch.STARTED, sidecar.incarnation)
+        spawn(subscribed())
         while True:
             message = await channel.receive()
             if message is None:

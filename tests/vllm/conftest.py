@@ -9,7 +9,8 @@ loaded; the coordinator runs from the main venv (HANDOFF_COORDINATOR).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import subprocess
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
 
 import httpx
@@ -24,9 +25,49 @@ from tests.vllm.support import Coordinator, Engine, Pair, Proxy
 TEST_TIMEOUT_S = 600
 
 
+# What ran, for a failure's report: CI shows only the test's output.
+RUNNING: dict[str, Coordinator | Engine | Proxy] = {}
+LOG_LINES = 60
+FAILED = pytest.StashKey[bool]()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries each process's log tail and what used the CPU."""
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = True
+        for name, process in RUNNING.items():
+            report.sections.append(
+                (f"{name} log (last {LOG_LINES} lines)", process.log_tail(LOG_LINES))
+            )
+        top = subprocess.run(
+            ["ps", "-eo", "pid,ni,pcpu,rss,etimes,args", "--sort=-pcpu"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+        report.sections.append(("processes by CPU", "\n".join(top.splitlines()[:15])))
+    return report
+
+
+@pytest.fixture(autouse=True)
+def fresh_after_a_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that failed leaves the engines restarted: one failure, not a cascade."""
+    yield
+    pair = getattr(request.node, "funcargs", {}).get("pair")
+    if request.node.stash.get(FAILED, False) and isinstance(pair, Pair):
+        for engine in (pair.prefill, pair.decode):
+            engine.kill()
+            engine.start()
+        asyncio.run(_ready(pair.prefill, pair.decode))
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +84,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def coordinator(workdir: Path) -> Iterator[Coordinator]:
     coordinator = Coordinator(workdir / "coordinator")
     coordinator.start()
+    RUNNING["coordinator"] = coordinator
     asyncio.run(coordinator.ready())
     yield coordinator
     coordinator.stop()
@@ -55,6 +97,7 @@ def pair(model: Path, workdir: Path, coordinator: Coordinator) -> Iterator[Pair]
     decode = Engine("decode", model, workdir / "decode", 1, coordinator.address, "decode-0")
     prefill.start()
     decode.start()
+    RUNNING.update(prefill=prefill, decode=decode)
     try:
         asyncio.run(_ready(prefill, decode))
         yield Pair(prefill, decode, coordinator)
@@ -68,6 +111,7 @@ def proxy(workdir: Path, coordinator: Coordinator, pair: Pair) -> Iterator[Proxy
     """`handoff proxy` in front of the pair (restarted by a test that kills it)."""
     proxy = Proxy(workdir / "proxy", coordinator.address, pair.prefill, pair.decode)
     proxy.start()
+    RUNNING["proxy"] = proxy
     asyncio.run(proxy.ready())
     yield proxy
     proxy.stop()

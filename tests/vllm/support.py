@@ -136,6 +136,12 @@ class Coordinator:
     def log_tail(self, lines: int = 30) -> str:
         return tail(self.directory / "coordinator.log", lines)
 
+    def connections(self, engine_id: str) -> int:
+        """How often ``engine_id`` has subscribed, by the coordinator's log."""
+        path = self.directory / "coordinator.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return text.count(f"engine connected [engine_id={engine_id}]")
+
 
 def kv_transfer_config(engine_id: str | None, coordinator: str | None) -> str:
     """The --kv-transfer-config: HandoffConnector under ``coordinator``, or plain NIXL."""
@@ -329,7 +335,10 @@ class Engine:
         return values
 
     async def idle_now(self) -> bool:
-        values = await self.metrics()
+        try:
+            values = await self.metrics()
+        except httpx.TimeoutException:
+            return False  # a scrape the starved API server answered late: not known idle
         return (
             values.get("vllm:num_requests_running", 0.0) == 0.0
             and values.get("vllm:num_requests_waiting", 0.0) == 0.0

@@ -100,8 +100,13 @@ async def test_kill_prefill_before_the_read_fails_the_decode_instead_of_decoding
         await decode_leg(http, pair.decode.url, prompt, params, MAX_TOKENS)
     assert failure.value.leg == "decode"
     await pair.decode.idle()
+    assert pair.prefill.engine_id is not None
+    connected = pair.coordinator.connections(pair.prefill.engine_id)
     pair.prefill.start()
     await pair.prefill.ready()
+    # Healthy only once live on the coordinator: a handoff started now is not
+    # canceled for an unreachable prefill (subscribe_timeout_s).
+    assert pair.coordinator.connections(pair.prefill.engine_id) == connected + 1
     await pair.prefill.idle()
     await answered(pair, client, http)
 

@@ -26,6 +26,7 @@ def test_the_lease_nixl_falls_back_to_outlasts_the_deadline_and_the_delivery_tim
         ({"handoff": {"coordinator": "h:1"}}, '["engine_id"]'),
         ({"handoff": {**GOOD["handoff"], "colour": 1}}, "colour"),
         ({"handoff": {**GOOD["handoff"], "deadline_s": -1}}, '["deadline_s"]'),
+        ({"handoff": {**GOOD["handoff"], "subscribe_timeout_s": 0}}, '["subscribe_timeout_s"]'),
         ({"handoff": {**GOOD["handoff"], "token_file": "/nonexistent"}}, '["token_file"]'),
     ],
 )
