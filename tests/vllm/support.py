@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from handoff_client import EngineType, Handoff, HandoffClient, Phase, Role
+from handoff_client import Completion, EngineType, Handoff, HandoffClient, Phase, Role
 
 ROOT = Path(__file__).resolve().parents[2]
 # Cold, two engines at once on a shared 2-core machine: minutes, not seconds.
@@ -603,16 +603,26 @@ class Pair:
         return handoff_id, text
 
 
-async def ended(client: HandoffClient, handoff_id: str, timeout_s: float = 30.0) -> Handoff:
-    """The handoff once COMPLETE on the coordinator."""
+async def ended(
+    client: HandoffClient,
+    handoff_id: str,
+    timeout_s: float = 30.0,
+    completion: Completion | None = None,
+) -> Handoff:
+    """The handoff once COMPLETE on the coordinator (with ``completion``, if given:
+    a success that a later Canceled reopens is COMPLETE twice, SUCCESS first)."""
     seen: list[Handoff] = []
 
     async def complete_now() -> bool:
         handoff = await client.get_handoff(handoff_id)
         seen[:] = [handoff]
-        return handoff.phase is Phase.COMPLETE
+        return handoff.phase is Phase.COMPLETE and completion in (None, handoff.completion)
 
-    await poll(f"handoff {handoff_id} COMPLETE (last: {seen})", complete_now, timeout_s)
+    wanted = "COMPLETE" if completion is None else f"COMPLETE with {completion.name}"
+    try:
+        await poll(f"handoff {handoff_id} {wanted}", complete_now, timeout_s)
+    except AssertionError as error:
+        raise AssertionError(f"{error} (last seen: {seen})") from None
     return seen[0]
 
 
