@@ -22,7 +22,7 @@ from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.domain.registry import Registry
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import guard, servicer
+from handoff_server.service import servicer
 from handoff_server.service.app import Server
 from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.support.fuzz import REFUSAL_NUMBERS
@@ -237,11 +237,8 @@ async def test_calls_per_identity_are_capped_and_an_engine_s_streams_count_once(
     assert server.quotas.usage("token busy") is None  # nothing held, nothing kept
 
 
-async def test_a_connect_stream_without_its_hello_is_ended(
-    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(guard, "HELLO_WITHIN_S", 0.2)
-    server = await start_server()
+async def test_a_connect_stream_without_its_hello_is_ended(start_server: StartServer) -> None:
+    server = await start_server(request_within_s=0.2)
     async with asyncio.timeout(TIMEOUT_S), channel_to(server) as channel:
         stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
 
@@ -251,7 +248,7 @@ async def test_a_connect_stream_without_its_hello_is_ended(
 
         silent = stub.Connect(nothing())
         assert await silent.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert await silent.details() == "no hello within 0.2 s of opening the stream"
+        assert await silent.details() == "Connect: no request within 0.2 s (request_within_s)"
 
 
 async def test_health_calls_have_their_own_budget_apart_from_the_service(

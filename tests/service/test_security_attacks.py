@@ -34,10 +34,12 @@ from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
 from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.support.attack import (
+    Metadata,
     Served,
     WellBehaved,
     alongside,
     bearer,
+    elsewhere,
     metric,
     rate,
     serving,
@@ -186,21 +188,15 @@ async def silent_check(channel: grpc.aio.Channel) -> grpc.StatusCode:
     return await call.code()
 
 
-async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
-    served: Served,
-) -> None:
-    """10 connections of 200 Watch streams and 200 Checks that never send
-    their request, all without a token, on the gRPC port."""
-    connections, per_connection = 10, 200
+async def health_stream_flood(target: str) -> tuple[list[str], list[str]]:
+    """4 connections of 150 Watch streams and 150 Checks that never send
+    their request, all without a token: the codes the Watches and the Checks
+    ended with (run :func:`elsewhere`)."""
+    connections, per_connection = 4, 150
     own = ("grpc.use_local_subchannel_pool", 1)
-    async with (
-        asyncio.timeout(TIMEOUT_S),
-        contextlib.AsyncExitStack() as stack,
-        grpc.aio.insecure_channel(served.target) as good,
-        alongside(good, bearer(TOKEN)) as client,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
         channels = [
-            await stack.enter_async_context(grpc.aio.insecure_channel(served.target, options=[own]))
+            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=[own]))
             for _ in range(connections)
         ]
         watches = [
@@ -214,19 +210,39 @@ async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
             for _ in range(per_connection)
         ]
         watch_codes = await asyncio.gather(*(call.code() for call in watches))
+        check_codes = await asyncio.gather(*checks)
+    return [code.name for code in watch_codes], [code.name for code in check_codes]
+
+
+async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
+    tmp_path: Path,
+) -> None:
+    """600 Watch streams and 600 Checks that never send their request, all
+    without a token, on the gRPC port of a server taking 200 calls: were they
+    the service's calls, the well-behaved client's would be refused.
+
+    (The flood is sized from the limit, not to load the server: 4,000 calls
+    against the default 10,000 proved nothing and, on a loaded machine, kept
+    the well-behaved client's calls queued in gRPC behind them past its 5 s.)"""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{TOKEN}\n{ATTACKER}\n")
+    flags = ("--token-file", str(tokens), "--max-concurrent-rpcs", "200", "--max-engines", "50")
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        watch_codes, check_codes = await elsewhere(health_stream_flood, served.target)
         # Refused before the request is read; the client sometimes sees the
         # stream's reset (CANCELLED) before the refusal. Never served.
-        assert set(watch_codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.CANCELLED}
-        assert watch_codes.count(grpc.StatusCode.UNAUTHENTICATED) > len(watch_codes) // 2
-        check_codes = await asyncio.gather(*checks)
-        # Each silent Check is ended after health_request_within_s, or refused
-        # at once when the checks' own budget is full (or reset, as above).
-        assert set(check_codes) <= {
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-            grpc.StatusCode.CANCELLED,
-        }
-        assert grpc.StatusCode.DEADLINE_EXCEEDED in check_codes
+        assert set(watch_codes) <= {"UNAUTHENTICATED", "CANCELLED"}
+        assert watch_codes.count("UNAUTHENTICATED") > len(watch_codes) // 2
+        # Each silent Check is ended after health_request_within_s, or at
+        # once for a newer one when half the checks' budget is waiting (or
+        # reset, as above).
+        assert set(check_codes) <= {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
+        assert "DEADLINE_EXCEEDED" in check_codes
         await client.completed_at_least(MIN_COMPLETED)
     assert_unharmed(client, served)
 
@@ -664,3 +680,149 @@ async def test_a_client_certificate_without_a_san_has_its_own_quota(tmp_path: Pa
         log = served.log_text()
         assert "Traceback" not in log
         assert " ERROR " not in log
+
+
+async def header_only(channel: grpc.aio.Channel, method: str, metadata: Metadata) -> grpc.aio.Call:
+    """A unary call that sends its headers and never its message."""
+
+    async def nothing() -> AsyncIterator[health_pb2.HealthCheckRequest]:
+        await asyncio.Event().wait()
+        yield health_pb2.HealthCheckRequest()  # pragma: no cover (never reached)
+
+    # Whatever the method, nothing is ever serialized or answered.
+    call = channel.stream_unary(
+        method,
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    return call(nothing(), metadata=metadata)
+
+
+async def slowloris(
+    channel: grpc.aio.Channel,
+    method: str,
+    calls: int,
+    until: asyncio.Event,
+    ended: Counter[tuple[str, str]],
+    metadata: Metadata = (),
+) -> None:
+    """``calls`` header-only calls held open, each renewed 0.9 s after it
+    began or when it ends, whichever is later (the issue's attack)."""
+
+    async def one() -> None:
+        loop = asyncio.get_running_loop()
+        while not until.is_set():
+            began = loop.time()
+            call = await header_only(channel, method, metadata)
+            code = await call.code()
+            ended[(code.name, await call.details() or "")] += 1
+            await asyncio.sleep(max(0.0, began + 0.9 - loop.time()))  # the attack's pace
+
+    await asyncio.gather(*(one() for _ in range(calls)))
+
+
+async def probes_answer(target: str, until: asyncio.Event, codes: Counter[str]) -> None:
+    """Health Check after health Check on ``target`` (a connection of its own),
+    as a kubelet probes, until ``until``; each answer's code counted."""
+    async with grpc.aio.insecure_channel(target, options=[OWN_CONNECTION]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while not until.is_set():
+            try:
+                await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as error:
+                codes[error.code().name] += 1
+            await asyncio.sleep(0.05)  # a probe's period, not a wait for an event
+
+
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
+async def header_only_crowd(
+    target: str, health_target: str, seconds: float
+) -> Counter[tuple[str, str]]:
+    """For ``seconds``: the read-only token's 200 header-only GetShardMap
+    calls over 4 connections, and tokenless header-only health Checks, 64 on
+    each port over 8 connections (the health port takes 8 calls per
+    connection); how their calls ended, by code and message (run
+    :func:`elsewhere`)."""
+    ended: Counter[tuple[str, str]] = Counter()
+    until = asyncio.Event()
+    shard_map = "/handoff.v1.HandoffCoordinator/GetShardMap"
+    check = "/grpc.health.v1.Health/Check"
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def connection(to: str) -> grpc.aio.Channel:
+            channel = grpc.aio.insecure_channel(to, options=[OWN_CONNECTION])
+            return await stack.enter_async_context(channel)
+
+        attacks = [
+            *[
+                slowloris(await connection(target), shard_map, 50, until, ended, bearer(ATTACKER))
+                for _ in range(4)
+            ],
+            *[slowloris(await connection(target), check, 8, until, ended) for _ in range(8)],
+            *[slowloris(await connection(health_target), check, 8, until, ended) for _ in range(8)],
+        ]
+        running = [asyncio.create_task(attack) for attack in attacks]
+        await asyncio.sleep(seconds)  # the attack's length, not a wait for an event
+        until.set()
+        await asyncio.gather(*running)
+    return ended
+
+
+async def test_calls_without_their_message_are_counted_when_they_arrive(tmp_path: Path) -> None:
+    """Items 1 and 7: a read-only token holds 200 GetShardMap calls that send
+    headers and no message, and tokenless callers hold 64 such health Checks
+    on each port, renewed every 0.9 s. The token's calls count against its own
+    limit from their arrival and end after request_within_s; the health
+    checks waiting for a request hold half their budget at most (a new arrival
+    ends the oldest); every probe on either port is answered SERVING, and the
+    well-behaved client keeps >= 90 % of its rate."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"good {TOKEN}\nreader {ATTACKER} read\n")
+    flags = (
+        *("--token-file", str(tokens)),
+        *("--max-calls-per-identity", "50"),
+        *("--request-within-s", "1"),
+    )
+    probed: Counter[str] = Counter()
+    until = asyncio.Event()
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        health_target = f"127.0.0.1:{served.health_port}"
+        await client.completed_at_least(MIN_COMPLETED)
+        before = await rate(client, 1.0)
+        loop = asyncio.get_running_loop()
+        began, completed = loop.time(), client.completed
+        probes = [
+            asyncio.create_task(probes_answer(target, until, probed))
+            for target in (served.target, health_target)
+        ]
+        ended = await elsewhere(header_only_crowd, served.target, health_target, 3.0)
+        rss_after = served.rss_mib()
+        during = (client.completed - completed) / (loop.time() - began)
+        until.set()
+        await asyncio.gather(*probes)
+        assert set(probed) == {"OK"}, probed
+        assert probed["OK"] >= 20, probed
+        assert during >= 0.9 * before, (during, before)
+        assert rss_after < RSS_CEILING_MIB
+        assert_unharmed(client, served)
+    details = {detail for _, detail in ended}
+    assert (
+        "RESOURCE_EXHAUSTED",
+        "token reader has 50 calls waiting for their first message, the limit per "
+        "identity (max_calls_per_identity)",
+    ) in ended, details
+    assert ("DEADLINE_EXCEEDED", "GetShardMap: no request within 1 s (request_within_s)") in ended
+    assert (
+        "RESOURCE_EXHAUSTED",
+        "16 health checks were waiting for their first message, half the limit "
+        "(max_health_checks): the oldest is ended to admit a new one",
+    ) in ended, details
+    assert {code for code, _ in ended} <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, details

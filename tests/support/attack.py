@@ -9,15 +9,18 @@ while the attack lasts, and then checks that those handoffs kept completing.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -279,3 +282,27 @@ async def metric(served: Served, name: str) -> float:
         if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+R = TypeVar("R")
+
+
+def _run(attack: Callable[..., Awaitable[R]], *args: object) -> R:
+    async def main() -> R:
+        return await attack(*args)
+
+    return asyncio.run(main())
+
+
+async def elsewhere(attack: Callable[..., Awaitable[R]], *args: object) -> R:
+    """``attack(*args)`` run to its end in a process of its own, its result returned.
+
+    An attack of thousands of calls is CPU work for the client as much as
+    for the server: run in the test's own process, its calls would queue the
+    well-behaved client's behind them on the test's event loop, and the
+    well-behaved client would measure the attacker's client, not the server.
+    ``attack`` must be a module-level function and its result picklable.
+    """
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, _run, attack, *args)

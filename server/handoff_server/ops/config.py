@@ -193,6 +193,11 @@ class Settings:
     max_health_watches: int = _setting(
         16, "health Watch streams per port, apart from the service's calls and the checks"
     )
+    request_within_s: float = _setting(
+        10.0,
+        "end a service call whose first message (Connect's hello) has not arrived within "
+        "this, in seconds; until then it holds one of half the call slots",
+    )
     health_request_within_s: float = _setting(
         1.0, "end a health call whose request has not arrived within this, in seconds"
     )
@@ -286,8 +291,9 @@ class Settings:
             raise ValueError("engine_identity_file needs mutual TLS (tls_client_ca)")
         if self.max_starts_per_s_per_identity == 0:
             raise ValueError("max_starts_per_s_per_identity must be > 0")
-        if self.health_request_within_s == 0:
-            raise ValueError("health_request_within_s must be > 0")
+        for name in ("request_within_s", "health_request_within_s"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name} must be > 0")
         if self.keepalive_time_s == 0 or self.keepalive_timeout_s == 0:
             raise ValueError("keepalive_time_s and keepalive_timeout_s must be > 0")
 

@@ -185,14 +185,15 @@ class Server:
             exempt=tuple(p.strip() for p in settings.auth_exempt_methods.split(",") if p.strip()),
             identities=identities,
             client_certificates=bool(settings.tls_client_ca),
+            request_within_s=settings.request_within_s,
         )
         server = grpc.aio.server(
             interceptors=(guard,),
             options=grpc_options(settings),
-            # The guard and the health gate count calls by kind; this is
-            # gRPC's backstop for calls that never reach either (a unary
-            # call whose request never arrives), above both their limits.
-            maximum_concurrent_rpcs=2 * (settings.max_concurrent_rpcs + self._health_calls()),
+            # Every call is counted as it arrives, by the guard or the health
+            # gate: gRPC's own limit is theirs together, the backstop for
+            # calls refused before either counts them (a missing token).
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs + self._health_calls(),
         )
         pb_grpc.add_HandoffCoordinatorServicer_to_server(self._servicer(), server)
         server.add_generic_rpc_handlers((self._health_gate().handler(),))
@@ -269,7 +270,7 @@ class Server:
                 # make a crowd of calls cost a crowd of connections.
                 ("grpc.max_concurrent_streams", 8),
             ],
-            maximum_concurrent_rpcs=2 * self._health_calls(),
+            maximum_concurrent_rpcs=self._health_calls(),
         )
         server.add_generic_rpc_handlers((self._health_gate().handler(),))
         address = f"{settings.health_host}:{settings.health_port}"

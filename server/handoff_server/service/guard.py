@@ -19,7 +19,6 @@ slow down (its ack window, ``Owed``): the guard does only what every call needs.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -33,18 +32,16 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import RPCS, Metrics
 from handoff_server.service import security
+from handoff_server.service.arrival import first_message
 from handoff_server.service.convert import ENGINE_ID
 from handoff_server.service.probes import SERVICE as HEALTH_SERVICE
-from handoff_server.service.quotas import Budget, Quotas
+from handoff_server.service.quotas import Budget, Quotas, Slot
 from handoff_server.service.security import EngineIdentities, Token, TokenSet
 
 log = logging.getLogger("handoff.guard")
 
 SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name + "/"
 HEALTH_PREFIX = f"/{HEALTH_SERVICE}/"
-# A Connect stream's hello must arrive within this; until it does, the stream
-# is counted server-wide only (its identity's count needs the engine id).
-HELLO_WITHIN_S = 10.0
 
 # grpc's handler objects are untyped at this level: behaviours take and
 # return messages of whichever type the method has.
@@ -136,6 +133,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         exempt: tuple[str, ...] = (),
         identities: EngineIdentities | None = None,
         client_certificates: bool = False,
+        request_within_s: float = 10.0,
     ) -> None:
         self.metrics = metrics
         self.streams = streams
@@ -145,6 +143,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self.exempt = exempt
         self.identities = identities
         self.client_certificates = client_certificates
+        self.request_within_s = request_within_s
         # Method -> (handler found, its wrapper): gRPC looks handlers up on
         # every call and finds the same object each time; wrap it once.
         self._wrapped: dict[str, tuple[Handler, Handler]] = {}
@@ -204,52 +203,75 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return None  # no certificate to read (and reading costs on every call)
         return security.certificate_identity(context.auth_context())
 
-    async def _enter(
-        self, rpc: str, context: Context, engine_id: str | None = None, per_identity: bool = True
-    ) -> Held:
-        """Admit the call server-wide and for its caller's identity (or refuse
-        it), and note who makes it; :meth:`_leave` what it holds when it ends.
-
-        ``engine_id``: the call is that engine's stream, counted once per engine.
-        ``per_identity``: False to count it for its identity later (:meth:`_as_engine`).
-        """
-        if not self.calls.enter():
+    async def _enter(self, rpc: str, context: Context) -> Held:
+        """Count a call as it arrives, before its first message, server-wide and
+        for its caller's identity (or refuse it), and note who makes it;
+        :meth:`_leave` what it holds when it ends."""
+        slot = self.calls.enter()
+        if slot is None:
             await self._refuse(
                 rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
             )
-        held = Held(self._identity(context))
+        held = Held(slot, self._identity(context))
         if self.identities is not None:
             security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
-        if held.identity is not None and per_identity:
-            if engine_id is None:
-                refusal = self.quotas.enter_call(held.identity)
-                held.call = refusal is None
-            else:
-                refusal = self.quotas.enter_stream(held.identity, engine_id)
-                held.engine_id = None if refusal else engine_id
+        if held.identity is not None:
+            refusal = self.quotas.arrive(held.identity)
             if refusal is not None:
-                self.calls.leave()
+                slot.leave()
                 await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+            held.arriving = True
         return held
 
-    def _leave(self, held: Held) -> None:
-        self.calls.leave()
+    async def _first(
+        self, rpc: str, requests: AsyncIterator[Any], context: Context, held: Held
+    ) -> Any:
+        """The call's first message, within ``request_within_s`` of its arrival;
+        counted for its identity from then on as a call, or with ``engine_id``
+        (of the message) as that engine's stream, once per engine."""
+        request = await first_message(
+            requests,
+            context,
+            held.slot,
+            self.request_within_s,
+            what=rpc,
+            setting="request_within_s",
+            refused=lambda code: self.metrics.rejected(rpc, code.name),
+        )
+        self._arrived(held)
+        return request
+
+    def _arrived(self, held: Held) -> None:
+        if held.arriving and held.identity is not None:
+            held.arriving = False
+            self.quotas.arrived(held.identity)
+
+    async def _hold(
+        self, rpc: str, context: Context, held: Held, engine_id: str | None = None
+    ) -> None:
+        """Count the call for its identity, now that its message came: as a
+        call, or with ``engine_id`` as that engine's stream (a stream replacing
+        the same engine's is always admitted and not counted again)."""
         if held.identity is None:
             return
+        if engine_id is None:
+            refusal = self.quotas.enter_call(held.identity)
+            held.call = refusal is None
+        else:
+            refusal = self.quotas.enter_stream(held.identity, engine_id)
+            held.engine_id = None if refusal else engine_id
+        if refusal is not None:
+            await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+
+    def _leave(self, held: Held) -> None:
+        held.slot.leave()
+        if held.identity is None:
+            return
+        self._arrived(held)
         if held.call:
             self.quotas.leave_call(held.identity)
         if held.engine_id is not None:
             self.quotas.leave_stream(held.identity, held.engine_id)
-
-    async def _as_engine(self, rpc: str, context: Context, held: Held, engine_id: str) -> None:
-        """A Connect stream's hello named ``engine_id``: now it counts for its identity,
-        once per engine (a stream replacing the same engine's is not counted again)."""
-        if held.identity is None:
-            return
-        refusal = self.quotas.enter_stream(held.identity, engine_id)
-        if refusal is not None:
-            await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        held.engine_id = engine_id
 
     def _counted(self, handler: Handler) -> Handler:
         """Another service's streaming handler (reflection), counted as a call."""
@@ -258,8 +280,16 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
             held = await self._enter("ServerReflectionInfo", context)
+            self._arrived(held)  # counted as a call from the start
+
+            async def arriving() -> AsyncIterator[Any]:
+                async for request in requests:
+                    held.slot.arrived()
+                    yield request
+
             try:
-                async for response in inner(requests, context):
+                await self._hold("ServerReflectionInfo", context, held)
+                async for response in inner(arriving(), context):
                     yield response
             finally:
                 self._leave(held)
@@ -278,11 +308,14 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             inner = handler.unary_unary
             starts = rpc == "StartHandoff"
 
-            async def unary(request: Any, context: Context) -> Any:
-                if isinstance(request, Undecodable):
-                    await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
+            async def unary(requests: AsyncIterator[Any], context: Context) -> Any:
                 held = await self._enter(rpc, context)
                 try:
+                    request = await self._first(rpc, requests, context, held)
+                    if isinstance(request, Undecodable):
+                        code = grpc.StatusCode.INVALID_ARGUMENT
+                        await self._refuse(rpc, context, code, undecodable)
+                    await self._hold(rpc, context, held)
                     if starts and held.identity is not None:
                         refusal = self.quotas.admit_start(held.identity)
                         if refusal is not None:
@@ -297,11 +330,14 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 finally:
                     self._leave(held)
 
-            return grpc.unary_unary_rpc_method_handler(
+            # Registered as streaming handlers whatever their shape on the
+            # wire, so that they run (and count) when the call arrives
+            # (arrival.py), not once its message has.
+            return grpc.stream_unary_rpc_method_handler(
                 unary, deserialize, handler.response_serializer
             )
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
+            return grpc.stream_stream_rpc_method_handler(
                 self._stream_actions(rpc, handler.unary_stream, undecodable),
                 deserialize,
                 handler.response_serializer,
@@ -330,13 +366,16 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
     def _stream_actions(
         self, rpc: str, inner: Callable[[Any, Context], AsyncGenerator[Any, None]], undecodable: str
-    ) -> Callable[[Any, Context], AsyncIterator[Any]]:
-        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
-            if isinstance(request, Undecodable):
-                await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
-            engine_id = request.engine_id if ENGINE_ID.fullmatch(request.engine_id) else None
-            held = await self._enter(rpc, context, engine_id)
+    ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            held = await self._enter(rpc, context)
             try:
+                request = await self._first(rpc, requests, context, held)
+                if isinstance(request, Undecodable):
+                    code = grpc.StatusCode.INVALID_ARGUMENT
+                    await self._refuse(rpc, context, code, undecodable)
+                named = request.engine_id if ENGINE_ID.fullmatch(request.engine_id) else None
+                await self._hold(rpc, context, held, named)
                 engine_id = await self._admit(rpc, context, request.engine_id)
                 try:
                     async with contextlib.aclosing(inner(request, context)) as actions:
@@ -357,10 +396,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         undecodable: str,
     ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            # Counted server-wide from the start (it holds a slot while it
-            # waits for its hello), and for its identity once the hello names
-            # its engine, which must come within HELLO_WITHIN_S.
-            held = await self._enter(rpc, context, per_identity=False)
+            # Counted as a call from its arrival, then once its hello names
+            # its engine (within request_within_s) as that engine's stream.
+            held = await self._enter(rpc, context)
             try:
                 async with contextlib.aclosing(connected(requests, context, held)) as responses:
                     async for response in responses:
@@ -372,24 +410,18 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             requests: AsyncIterator[Any], context: Context, held: Held
         ) -> AsyncGenerator[Any, None]:
             incoming = aiter(requests)
-            try:
-                async with asyncio.timeout(HELLO_WITHIN_S):
-                    first = await anext(incoming, None)
-            except TimeoutError:
-                message = f"no hello within {HELLO_WITHIN_S:g} s of opening the stream"
-                await self._refuse(rpc, context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
+            first = await self._first(rpc, incoming, context, held)
             if isinstance(first, Undecodable):
                 await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
             engine_id = None
-            if first is not None and first.WhichOneof("kind") == "hello":
+            if first.WhichOneof("kind") == "hello":
                 if ENGINE_ID.fullmatch(first.hello.engine_id):
-                    await self._as_engine(rpc, context, held, first.hello.engine_id)
+                    await self._hold(rpc, context, held, first.hello.engine_id)
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
             garbled: list[int] = []
 
             async def reports() -> AsyncIterator[Any]:
-                if first is not None:
-                    yield first  # the hello (or whatever came first), never acknowledged
+                yield first  # the hello (or whatever came first), never acknowledged
                 count = 1
                 async for request in incoming:
                     count += 1
@@ -425,9 +457,11 @@ HOLDER: ContextVar[Token | None] = ContextVar("handoff_token_holder", default=No
 
 @dataclass(slots=True)
 class Held:
-    """What one call holds in the per-identity accounting."""
+    """What one call holds: its server-wide slot, and in the per-identity accounting."""
 
+    slot: Slot
     identity: str | None  # None: an anonymous caller, counted server-wide only
+    arriving: bool = False  # counted as its identity's call waiting for a first message
     call: bool = False  # counted as a call of its identity
     engine_id: str | None = None  # counted as that engine's stream instead
 

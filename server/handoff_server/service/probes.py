@@ -15,7 +15,6 @@ only decides who gets to ask.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,7 +22,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
-from handoff_server.service.quotas import Budget
+from handoff_server.service.arrival import first_message
+from handoff_server.service.quotas import Budget, Slot
 
 SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -58,37 +58,39 @@ class HealthGate:
     async def _check(
         self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: Context
     ) -> health_pb2.HealthCheckResponse:
-        if not self.checks.enter():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.checks.refusal())
+        slot = await self._enter(self.checks, context)
         try:
-            request = await self._request(requests, context)
+            request = await self._request(requests, context, slot)
             answer: health_pb2.HealthCheckResponse = await self.health.Check(request, context)
             return answer
         finally:
-            self.checks.leave()
+            slot.leave()
 
     async def _watch(
         self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: Context
     ) -> None:
-        if not self.watches.enter():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.watches.refusal())
+        slot = await self._enter(self.watches, context)
         try:
-            request = await self._request(requests, context)
+            request = await self._request(requests, context, slot)
             await self.health.Watch(request, context)
         finally:
-            self.watches.leave()
+            slot.leave()
 
     async def _request(
-        self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: Context
+        self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: Context, slot: Slot
     ) -> health_pb2.HealthCheckRequest:
-        try:
-            async with asyncio.timeout(self.request_within_s):
-                request = await anext(aiter(requests), None)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"health: no request within {self.request_within_s:g} s (health_request_within_s)",
-            )
-        if request is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "health: no request sent")
-        return request
+        return await first_message(
+            requests,
+            context,
+            slot,
+            self.request_within_s,
+            what="health",
+            setting="health_request_within_s",
+        )
+
+    @staticmethod
+    async def _enter(budget: Budget, context: Context) -> Slot:
+        slot = budget.enter()
+        if slot is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, budget.refusal())
+        return slot

@@ -10,34 +10,87 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+class Slot:
+    """One call's place in a :class:`Budget`, from its arrival to its end."""
+
+    __slots__ = ("budget", "waiting", "evicted", "released", "on_evict")
+
+    def __init__(self, budget: Budget) -> None:
+        self.budget = budget
+        self.waiting = True  # its first message has not arrived yet
+        self.evicted = False  # ended to make room for a newer arrival
+        self.released = False
+        self.on_evict: Callable[[], None] = lambda: None
+
+    def arrived(self) -> None:
+        """Its first message came: from now on it holds a slot of the reserved half."""
+        if self.waiting:
+            self.waiting = False
+            self.budget.waiting.pop(self, None)
+
+    def leave(self) -> None:
+        self.budget.leave(self)
+
+
 class Budget:
-    """Calls of one kind in flight, at most ``limit``."""
+    """Calls of one kind in flight, counted from their arrival, at most ``limit``.
+
+    A call is counted before its first message arrives (a caller that sends
+    headers and nothing else must not go uncounted), but such waiting calls
+    hold half the slots at most: past that, a new arrival ends the oldest
+    waiting call instead of being refused, so that a crowd of header-only
+    calls can neither refuse a real caller nor take the slots of calls whose
+    message has arrived.
+    """
 
     def __init__(self, what: str, limit: int, setting: str) -> None:
         self.what = what
         self.limit = limit
         self.setting = setting
         self.in_flight = 0
+        self.waiting_limit = max(limit // 2, 1)
+        self.waiting: dict[Slot, None] = {}  # oldest first
+        self.evicted = 0  # waiting calls ended for a newer arrival, in all
 
-    def enter(self) -> bool:
+    def enter(self) -> Slot | None:
+        """A slot for a call that just arrived; None when every slot is taken."""
+        if len(self.waiting) >= self.waiting_limit:
+            oldest = next(iter(self.waiting))
+            self.leave(oldest)
+            oldest.evicted = True
+            self.evicted += 1
+            oldest.on_evict()
         if self.in_flight >= self.limit:
-            return False
+            return None
         self.in_flight += 1
-        return True
+        slot = Slot(self)
+        self.waiting[slot] = None
+        return slot
 
-    def leave(self) -> None:
+    def leave(self, slot: Slot) -> None:
+        if slot.released:
+            return  # released already, when it was evicted
+        slot.released = True
+        self.waiting.pop(slot, None)
         self.in_flight -= 1
 
     def refusal(self) -> str:
         return f"{self.limit} {self.what} already in flight, the limit ({self.setting})"
 
+    def eviction(self) -> str:
+        return (
+            f"{self.waiting_limit} {self.what} were waiting for their first message, half "
+            f"the limit ({self.setting}): the oldest is ended to admit a new one"
+        )
+
 
 class Usage:
     """What one identity holds now."""
 
-    __slots__ = ("calls", "streams", "active", "allowance", "allowance_at")
+    __slots__ = ("arriving", "calls", "streams", "active", "allowance", "allowance_at")
 
     def __init__(self, starts_burst: float, now: float) -> None:
+        self.arriving = 0  # calls whose first message has not arrived yet
         self.calls = 0  # unary (and other non-engine) calls in flight
         self.streams: dict[str, int] = {}  # engine id -> its live streams (a replacement overlaps)
         self.active = 0  # handoffs it started that are not complete
@@ -46,7 +99,7 @@ class Usage:
 
     def idle(self, starts_burst: float) -> bool:
         return (
-            not self.calls and not self.streams and not self.active
+            not self.arriving and not self.calls and not self.streams and not self.active
         ) and self.allowance >= starts_burst
 
     def held(self) -> int:
@@ -94,6 +147,26 @@ class Quotas:
         return self._usage.get(identity)
 
     # --- calls -------------------------------------------------------------
+
+    def arrive(self, identity: str) -> str | None:
+        """Count a call that arrived and has not sent its first message yet: at
+        most ``calls`` such calls per identity, apart from those it holds with
+        a message (so that a stream replacing its engine's is still admitted)."""
+        usage = self._of(identity)
+        if usage.arriving >= self.calls:
+            self._tidy(identity, usage)
+            return (
+                f"{identity} has {usage.arriving} calls waiting for their first message, "
+                "the limit per identity (max_calls_per_identity)"
+            )
+        usage.arriving += 1
+        return None
+
+    def arrived(self, identity: str) -> None:
+        """The call's first message came (or it ended without one)."""
+        usage = self._usage[identity]
+        usage.arriving -= 1
+        self._tidy(identity, usage)
 
     def enter_call(self, identity: str) -> str | None:
         """Count a call; the refusal's reason when the identity is at its limit."""

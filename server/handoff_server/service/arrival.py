@@ -1,0 +1,53 @@
+"""A call's first message, awaited within a deadline from the call's arrival.
+
+Every handler in front of the service and health is registered as a
+streaming one, so that it runs when a call arrives rather than when its
+message does: the call is counted at once (:class:`quotas.Budget`), and one
+that sends headers and nothing else is ended instead of holding a slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from handoff_server.service.quotas import Slot
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Request = TypeVar("Request")
+
+
+async def first_message(
+    requests: AsyncIterator[Request],
+    context: Context,
+    slot: Slot,
+    within_s: float,
+    *,
+    what: str,
+    setting: str,
+    refused: Callable[[grpc.StatusCode], None] = lambda code: None,
+) -> Request:
+    """The call's first message, which must come within ``within_s`` of its
+    arrival; its ``slot`` then counts as a call with a message. Ends the call
+    when it does not come in time, or the slot is evicted for a newer arrival."""
+    try:
+        async with asyncio.timeout(within_s) as deadline:
+            slot.on_evict = lambda: deadline.reschedule(asyncio.get_running_loop().time())
+            request = await anext(aiter(requests), None)
+    except TimeoutError:
+        if slot.evicted:
+            refused(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, slot.budget.eviction())
+        refused(grpc.StatusCode.DEADLINE_EXCEEDED)
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{what}: no request within {within_s:g} s ({setting})",
+        )
+    if request is None:
+        refused(grpc.StatusCode.INVALID_ARGUMENT)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: no request sent")
+    slot.arrived()
+    return request
