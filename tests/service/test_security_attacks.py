@@ -826,3 +826,44 @@ async def test_calls_without_their_message_are_counted_when_they_arrive(tmp_path
         "(max_health_checks): the oldest is ended to admit a new one",
     ) in ended, details
     assert {code for code, _ in ended} <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, details
+
+
+async def test_one_identity_cannot_take_every_engine_slot(tmp_path: Path) -> None:
+    """Item 6: one token subscribes as engine after engine; past
+    max_engines_per_identity it is refused, while another identity's new
+    engine is admitted (the server-wide max_engines is far from reached)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"good {TOKEN}\nhoarder {ATTACKER} engine\n")
+    flags = ("--token-file", str(tokens), "--max-engines-per-identity", "5")
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        held = []
+        for number in range(5):
+            stream = stub.StreamActions(
+                pb.StreamActionsRequest(engine_id=f"hoarded-{number}"), metadata=bearer(ATTACKER)
+            )
+            await stream.initial_metadata()
+            held.append(stream)
+        refused = stub.StreamActions(
+            pb.StreamActionsRequest(engine_id="hoarded-5"), metadata=bearer(ATTACKER)
+        )
+        assert await refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await refused.details() == (
+            "engine hoarded-5: token hoarder has 5 engines with a live stream, the limit "
+            "per identity (max_engines_per_identity)"
+        )
+        newcomer = pb_grpc.HandoffCoordinatorStub(good).StreamActions(
+            pb.StreamActionsRequest(engine_id="good-newcomer"), metadata=bearer(TOKEN)
+        )
+        await newcomer.initial_metadata()
+        await client.completed_at_least(client.completed + MIN_COMPLETED)
+        for stream in (*held, newcomer):
+            stream.cancel()
+        assert_unharmed(client, served)

@@ -181,6 +181,11 @@ class Settings:
         "calls in flight per caller identity (token name or certificate SAN); an engine's "
         "streams count once per engine id",
     )
+    max_engines_per_identity: int = _setting(
+        128,
+        "engines with a live stream per caller identity, at most; give each sidecar its "
+        "own token (or certificate), or raise this for one identity shared by more engines",
+    )
     max_active_handoffs_per_identity: int = _setting(
         20_000, "handoffs not yet complete that one caller identity started, at most"
     )
@@ -276,6 +281,7 @@ class Settings:
             "max_health_checks",
             "max_health_watches",
             "max_calls_per_identity",
+            "max_engines_per_identity",
             "max_active_handoffs_per_identity",
         ):
             if getattr(self, name) < 1:

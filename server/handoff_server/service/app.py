@@ -93,6 +93,7 @@ class Server:
         self.service_calls = Budget("calls", settings.max_concurrent_rpcs, "max_concurrent_rpcs")
         self.quotas = Quotas(
             calls=settings.max_calls_per_identity,
+            engines=settings.max_engines_per_identity,
             active=settings.max_active_handoffs_per_identity,
             starts_per_s=settings.max_starts_per_s_per_identity,
             clock=self.clock,

@@ -122,10 +122,12 @@ class Quotas:
         *,
         calls: int,
         active: int,
+        engines: int = 1_000_000,
         starts_per_s: float,
         clock: Callable[[], float],
     ) -> None:
         self.calls = calls
+        self.engines = engines
         self.active = active
         self.starts_per_s = starts_per_s
         self.starts_burst = max(starts_per_s, 1.0)  # one second's worth
@@ -188,6 +190,13 @@ class Quotas:
         live = usage.streams.get(engine_id, 0)
         if not live and usage.held() >= self.calls:
             return self._full(identity, usage)
+        if not live and len(usage.streams) >= self.engines:
+            # Well below max_engines: one identity cannot take every engine's place.
+            self._tidy(identity, usage)
+            return (
+                f"engine {engine_id}: {identity} has {len(usage.streams)} engines with a live "
+                "stream, the limit per identity (max_engines_per_identity)"
+            )
         usage.streams[engine_id] = live + 1
         return None
 
