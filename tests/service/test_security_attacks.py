@@ -867,3 +867,36 @@ async def test_one_identity_cannot_take_every_engine_slot(tmp_path: Path) -> Non
         for stream in (*held, newcomer):
             stream.cancel()
         assert_unharmed(client, served)
+
+
+async def test_an_incarnation_dated_in_the_future_fences_nobody_out(served: Served) -> None:
+    """Item 5 (the incarnation): a stream naming the well-behaved client's
+    engine with incarnation 9999999999999-zzzz (year 2286) would have fenced
+    the real engine out until a restart; it is refused, and the real engine,
+    resubscribing with its own incarnation, is not fenced."""
+    real = f"{time.time_ns() // 1_000_000:013d}-real"
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        good_stub: Stub = pb_grpc.HandoffCoordinatorStub(good)
+        engine = pb.StreamActionsRequest(engine_id="fenced-victim", incarnation=real)
+        first = good_stub.StreamActions(engine, metadata=bearer(TOKEN))
+        await first.initial_metadata()
+        forged = pb_grpc.HandoffCoordinatorStub(bad).StreamActions(
+            pb.StreamActionsRequest(engine_id="fenced-victim", incarnation="9999999999999-zzzz"),
+            metadata=bearer(ATTACKER),
+        )
+        assert await forged.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = await forged.details() or ""
+        assert "incarnation 9999999999999-zzzz starts" in details, details
+        assert "ahead of the coordinator's clock, more than 300 s" in details
+        again = good_stub.StreamActions(engine, metadata=bearer(TOKEN))
+        await again.initial_metadata()  # the same incarnation: a reconnect, not fenced
+        again.cancel()
+        first.cancel()
+        await client.completed_at_least(client.completed + MIN_COMPLETED)
+        assert_unharmed(client, served)

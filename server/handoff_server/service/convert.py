@@ -117,6 +117,27 @@ def incarnation(value: str, field: str = "incarnation") -> str:
     return engine_id(value, field) if value else value
 
 
+# How far an incarnation's start time may be ahead of the server's clock:
+# clocks of one cluster differ by less; more is a forged "newest ever".
+INCARNATION_AHEAD_S = 300.0
+STARTED_MS = re.compile(r"[0-9]{13}")
+
+
+def plausible_incarnation(value: str, now: float, field: str = "incarnation") -> str:
+    """An incarnation that starts with its start time in unix milliseconds (the
+    SDK's, 13 digits) may not be ahead of ``now`` by more than
+    INCARNATION_AHEAD_S: a newer incarnation fences the older ones out, so one
+    dated in the future would fence out every real one until it is reached."""
+    if STARTED_MS.match(value):
+        ahead = int(value[:13]) / 1000 - now
+        if ahead > INCARNATION_AHEAD_S:
+            raise InvalidArgument(
+                f"{field} {value[:40]} starts {ahead:.0f} s ahead of the coordinator's clock, "
+                f"more than {INCARNATION_AHEAD_S:g} s: not a real start time"
+            )
+    return value
+
+
 def session_id(value: str, field: str = "session_id") -> str:
     if value and not ENGINE_ID.fullmatch(value):
         raise InvalidArgument(f"{field} must be at most 128 characters of [A-Za-z0-9._:-]")

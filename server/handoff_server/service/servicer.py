@@ -215,7 +215,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subject = f"engine {request.engine_id[:128]}"
         try:
             engine_id = security.authorize_engine(convert.engine_id(request.engine_id))
-            convert.incarnation(request.incarnation)
+            convert.plausible_incarnation(
+                convert.incarnation(request.incarnation), self.registry.clock()
+            )
             convert.session_id(request.session_id)
             releases, lost_applied = self.registry.reconcile(
                 engine_id,
@@ -288,7 +290,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subscription = self.registry.subscribe(
             security.authorize_engine(convert.engine_id(engine_id)),
             on_ready,
-            convert.incarnation(incarnation),
+            convert.plausible_incarnation(convert.incarnation(incarnation), self.registry.clock()),
             convert.session_id(session_id),
         )
         if incarnation:
