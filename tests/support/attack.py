@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import multiprocessing
 import os
 import signal
@@ -20,7 +21,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -294,15 +295,31 @@ def _run(attack: Callable[..., Awaitable[R]], *args: object) -> R:
     return asyncio.run(main())
 
 
-async def elsewhere(attack: Callable[..., Awaitable[R]], *args: object) -> R:
-    """``attack(*args)`` run to its end in a process of its own, its result returned.
+def _import(module: str) -> None:
+    importlib.import_module(module)
+
+
+@contextlib.asynccontextmanager
+async def attacker(
+    module: str = "tests.service.test_security_attacks",
+) -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """A process of its own to run attacks in: ``await attack(function, *args)``
+    runs ``function(*args)`` there to its end and returns its result.
 
     An attack of thousands of calls is CPU work for the client as much as
     for the server: run in the test's own process, its calls would queue the
     well-behaved client's behind them on the test's event loop, and the
     well-behaved client would measure the attacker's client, not the server.
-    ``attack`` must be a module-level function and its result picklable.
+    The process has imported ``module`` (grpc and all) before the block
+    starts, so a rate measured in the block does not pay for that. Attack
+    functions are module-level, their results picklable.
     """
     context = multiprocessing.get_context("spawn")
+    loop = asyncio.get_running_loop()
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return await asyncio.get_running_loop().run_in_executor(pool, _run, attack, *args)
+        await loop.run_in_executor(pool, _import, module)
+
+        async def attack(function: Callable[..., Awaitable[Any]], *args: object) -> Any:
+            return await loop.run_in_executor(pool, _run, function, *args)
+
+        yield attack
