@@ -216,7 +216,13 @@ class StreamRecorder(ActionLog):
 
     async def close(self) -> None:
         self._call.cancel()
-        await self._task
+        try:
+            await self._task
+        except grpc.aio.AioRpcError as error:
+            # A stream the server was ending as we canceled it (a drain) can
+            # end CANCELLED by either side: closed either way.
+            if error.code() is not grpc.StatusCode.CANCELLED:
+                raise
 
 
 @contextlib.asynccontextmanager
