@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from handoff_client import Completion, EngineType, Handoff, HandoffClient, Phase, Role
 
@@ -281,6 +282,13 @@ class Engine:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, number)
 
+    def pause_server(self, resume: bool = False) -> None:
+        """To the API server alone: its engine core and sidecar run on, so a
+        request sent now waits unread while the engine stays live on the
+        coordinator (a slow leg, not a lost engine)."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT if resume else signal.SIGSTOP)
+
     def sidecars(self) -> list[int]:
         """Pids of this engine's sidecar processes: descendants running handoff_vllm.sidecar."""
         assert self.process is not None
@@ -418,6 +426,37 @@ class Proxy:
     def log_tail(self, lines: int = 30) -> str:
         return tail(self.directory / "proxy.log", lines)
 
+    def handoff_ids(self, phrase: str) -> list[str]:
+        """The handoff ids of the proxy's log lines that say ``phrase``, oldest first."""
+        path = self.directory / "proxy.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return [
+            match.group(1)
+            for line in text.splitlines()
+            if phrase in line and (match := HANDOFF_ID.search(line)) is not None
+        ]
+
+    async def metric(self, http: httpx.AsyncClient, name: str, **labels: str) -> float:
+        """One sample of the proxy's /metrics (0 when it has none yet)."""
+        text = (await http.get(f"{self.url}/metrics")).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return float(sample.value)
+        return 0.0
+
+    async def metric_above(
+        self, http: httpx.AsyncClient, what: str, name: str, floor: float, **labels: str
+    ) -> None:
+        """Until the proxy's sample ``name`` is above ``floor``."""
+
+        async def above() -> bool:
+            return await self.metric(http, name, **labels) > floor
+
+        await poll(f"{what} ({name} {labels} above {floor:g})", above, 30.0)
+
     async def complete(
         self,
         http: httpx.AsyncClient,
@@ -457,6 +496,7 @@ class Proxy:
             return answer.headers.get("x-request-id", ""), "".join(text)
 
 
+HANDOFF_ID = re.compile(r"handoff_id=([0-9a-f-]{36})")
 METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 

@@ -8,6 +8,8 @@ too), both engines idle by vLLM's own /metrics, and the next request answered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import signal
 import time
 import uuid
@@ -31,6 +33,7 @@ from tests.vllm.support import (
 )
 
 MAX_TOKENS = 8
+HANDOFF = re.compile(r"handoff ([0-9a-f-]{36})")
 
 
 async def expect_end(client: HandoffClient, handoff_id: str, completion: Completion) -> Handoff:
@@ -154,6 +157,44 @@ async def stream_until_first_token(proxy: Proxy, http: httpx.AsyncClient, prompt
     raise AssertionError("the stream ended before its first token")
 
 
+async def test_a_client_that_disconnects_during_the_prefill_frees_both_engines(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    began = await proxy.metric(http, "handoff_proxy_leg_duration_seconds_count", leg="start")
+    gone = await proxy.metric(http, "handoff_proxy_client_disconnects_total", leg="prefill")
+    pair.prefill.pause_server()  # the prefill leg waits, unread, until resumed
+    try:
+        request = asyncio.ensure_future(
+            proxy.complete(http, "A client that leaves before its prefill " * 3, 40, stream=True)
+        )
+        # The start leg's duration is observed as the prefill leg begins.
+        await proxy.metric_above(
+            http,
+            "the proxy in the prefill leg",
+            "handoff_proxy_leg_duration_seconds_count",
+            began,
+            leg="start",
+        )
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        await proxy.metric_above(
+            http,
+            "the proxy saw the client go",
+            "handoff_proxy_client_disconnects_total",
+            gone,
+            leg="prefill",
+        )
+    finally:
+        pair.prefill.pause_server(resume=True)
+    (handoff_id,) = proxy.handoff_ids("client disconnected during the prefill leg")[-1:]
+    # Whatever the resumed prefill makes of the request it reads now (an abort,
+    # or a prefill whose blocks the canceled handoff frees at once): nothing held.
+    await ended(client, handoff_id, completion=Completion.CANCELED)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
+
+
 async def test_a_client_that_disconnects_during_the_decode_frees_both_engines(
     pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
 ) -> None:
@@ -162,6 +203,65 @@ async def test_a_client_that_disconnects_during_the_decode_frees_both_engines(
     # SUCCESS already; the proxy's Canceled then reopens it (semantics.md,
     # correction 1): it ends CANCELED either way.
     await ended(client, handoff_id, completion=Completion.CANCELED)
+    await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
+    await answered(pair, client, http)
+
+
+async def test_kill_prefill_during_the_decode_leg_answers_502_naming_the_prefill(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    began = await proxy.metric(http, "handoff_proxy_leg_duration_seconds_count", leg="prefill")
+    pair.decode.pause_server()  # the decode leg waits, unread: its KV not read yet
+    try:
+        request = asyncio.ensure_future(
+            proxy.complete(http, "A prefill that dies under the proxy " * 3, MAX_TOKENS, False)
+        )
+        # The prefill leg's duration is observed as the decode leg begins.
+        await proxy.metric_above(
+            http,
+            "the proxy in the decode leg",
+            "handoff_proxy_leg_duration_seconds_count",
+            began,
+            leg="prefill",
+        )
+        pair.prefill.kill()
+        # The coordinator declares the prefill lost (its delivery timeout) and
+        # cancels; the proxy, watching, closes the decode leg and says why.
+        with pytest.raises(LegError) as failure:
+            await asyncio.wait_for(request, pair.coordinator.delivery_timeout_s + 30.0)
+    finally:
+        pair.decode.pause_server(resume=True)
+    assert failure.value.status == 502, failure.value
+    assert pair.prefill.engine_id is not None
+    assert f"lost prefill engine {pair.prefill.engine_id}" in failure.value.body, failure.value
+    match = HANDOFF.search(failure.value.body)
+    assert match is not None, failure.value
+    handoff = await expect_end(client, match.group(1), Completion.CANCELED)
+    assert LifecycleEventKind.SOURCE_LOST in {event.kind for event in handoff.lifecycle}
+    await pair.decode.idle()
+    pair.prefill.start()
+    await pair.prefill.ready()
+    await pair.prefill.idle()
+    await answered(pair, client, http)
+
+
+async def test_a_handful_at_once_two_of_them_cut_off_mid_stream(
+    pair: Pair, proxy: Proxy, client: HandoffClient, http: httpx.AsyncClient
+) -> None:
+    prompts = [f"At once, number {n}: the coordinator decides " * 2 for n in range(4)]
+    references = [await complete(http, pair.prefill.url, p, MAX_TOKENS) for p in prompts]
+    answers, *cut = await asyncio.gather(
+        asyncio.gather(
+            *(proxy.complete(http, p, MAX_TOKENS, stream=n % 2 == 0) for n, p in enumerate(prompts))
+        ),
+        stream_until_first_token(proxy, http, "Cut off at once, first " * 3),
+        stream_until_first_token(proxy, http, "Cut off at once, second " * 3),
+    )
+    assert [text for _, text in answers] == references
+    for handoff_id, _ in answers:
+        await expect_end(client, handoff_id, Completion.SUCCESS)
+    for handoff_id in cut:
+        await ended(client, handoff_id, completion=Completion.CANCELED)
     await asyncio.gather(pair.prefill.idle(), pair.decode.idle())
     await answered(pair, client, http)
 
