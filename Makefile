@@ -117,11 +117,15 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 		$(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests/vllm); \
 		rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
 
+# Their processes start engines while a gRPC client runs: each child execs at
+# once, so gRPC's fork handlers (and their log line) are not needed.
 demo-vllm: $(STAMP) $(VLLM_STAMP)
-	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm_demo
+	GRPC_ENABLE_FORK_SUPPORT=false HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
+		$(VLLM_VENV)/bin/python -m bench.vllm_demo
 
 bench-vllm: $(STAMP) $(VLLM_STAMP)
-	HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" $(VLLM_VENV)/bin/python -m bench.vllm
+	GRPC_ENABLE_FORK_SUPPORT=false HANDOFF_COORDINATOR="$(abspath $(BIN))/handoff" \
+		$(VLLM_VENV)/bin/python -m bench.vllm $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VLLM_VENV) $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
