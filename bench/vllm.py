@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 import uuid
@@ -29,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from tests.vllm.model import build
-from tests.vllm.support import Coordinator, Engine, Proxy
+from tests.vllm.support import Coordinator, Engine, LegError, Proxy
 
 
 async def one(proxy: Proxy, http: httpx.AsyncClient, max_tokens: int) -> tuple[float, float]:
@@ -79,14 +80,24 @@ async def run(requests: int, max_tokens: int, workdir: Path) -> None:
         async with httpx.AsyncClient(timeout=60.0) as http:
             for warm in range(4):  # NIXL handshakes, first-call costs
                 await one(proxies[warm % 2 == 0], http, max_tokens)
+            failures: dict[bool, list[str]] = {True: [], False: []}
             for n in range(requests * 2):
+                if n % 20 == 0:
+                    print(f"request {n} of {requests * 2}", file=sys.stderr, flush=True)
                 coordinated = n % 2 == 0
-                ttft, e2e = await one(proxies[coordinated], http, max_tokens)
+                try:
+                    ttft, e2e = await one(proxies[coordinated], http, max_tokens)
+                except LegError as error:  # counted and shown: a figure without it would lie
+                    failures[coordinated].append(str(error))
+                    print(f"request {n} failed: {error}", file=sys.stderr, flush=True)
+                    continue
                 results[coordinated][0].append(ttft)
                 results[coordinated][1].append(e2e)
         plain, coord = results[False], results[True]
         print(report("plain P/D", *plain))  # handoff proxy --no-coordinator
         print(report("coordinated", *coord))
+        for coordinated, name in ((False, "plain P/D"), (True, "coordinated")):
+            print(f"{name} failed: {len(failures[coordinated])}")
         for label, index in (("TTFT", 0), ("e2e", 1)):
             cost = statistics.median(coord[index]) - statistics.median(plain[index])
             ratio = statistics.median(coord[index]) / statistics.median(plain[index])

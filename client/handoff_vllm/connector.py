@@ -45,6 +45,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from handoff_vllm import settings as settings_module
 from handoff_vllm.engine import HandoffEngine
 from handoff_vllm.orders import ATTRIBUTE, WorkerOrders
+from handoff_vllm.pacing import pace_progress_thread
 from handoff_vllm.runner import SidecarProcess
 
 if TYPE_CHECKING:
@@ -102,6 +103,8 @@ class HandoffConnector(NixlPullConnector):
         # NIXL's lease outlasts the coordinator's deadline: it frees a held source
         # only when the coordinator could not (see Settings.kv_lease_s).
         extra.setdefault("kv_lease_duration", settings.kv_lease_s)
+        if role == KVConnectorRole.WORKER:  # the worker makes the NIXL agent
+            pace_progress_thread(settings.nixl_progress_delay_us)
         super().__init__(vllm_config, role, kv_cache_config)
         self._settings = settings
         self._engine: HandoffEngine | None = None

@@ -29,6 +29,7 @@ KNOWN_KEYS = frozenset(
         "timeout_s",
         "subscribe_timeout_s",
         "allow_other_vllm",
+        "nixl_progress_delay_us",
     }
 )
 
@@ -59,6 +60,9 @@ class Settings:
     # handoff naming it canceled at once (EngineLost, unreachable).
     subscribe_timeout_s: float = 30.0
     allow_other_vllm: bool = False
+    # The longest NIXL's progress thread sleeps without an event (pacing.py);
+    # 0 leaves nixl's own 0, a thread that spins a core.
+    nixl_progress_delay_us: int = 1000
 
     @property
     def kv_lease_s(self) -> int:
@@ -106,6 +110,12 @@ def parse(extra: Mapping[str, Any], kv_lease_duration: object) -> Settings:
     for key in ("deadline_s", "delivery_timeout_s", "timeout_s", "subscribe_timeout_s"):
         if key in values and not (isinstance(values[key], int | float) and values[key] > 0):
             raise SettingsError(f'{where}["{key}"] must be a positive number of seconds')
+    delay = values.get("nixl_progress_delay_us", 0)
+    if not (isinstance(delay, int) and not isinstance(delay, bool) and 0 <= delay <= 1_000_000):
+        raise SettingsError(
+            f'{where}["nixl_progress_delay_us"] must be a whole number of microseconds '
+            "from 0 (NIXL's own: its progress thread spins) to 1000000"
+        )
     settings = Settings(**values)
     if kv_lease_duration is not None and (
         not isinstance(kv_lease_duration, int | float) or kv_lease_duration < settings.kv_lease_s

@@ -466,7 +466,8 @@ class Proxy:
         first: Callable[[], None] = lambda: None,
     ) -> tuple[str, str]:
         """(handoff id from X-Request-Id, text) of one completion through the proxy;
-        ``first()`` at a streamed answer's first token."""
+        ``first()`` at a streamed answer's first token (a byte-level token may
+        carry no text yet: a partial UTF-8 character)."""
         body = {
             "model": "tiny",
             "prompt": prompt,
@@ -489,10 +490,9 @@ class Proxy:
                 event = json.loads(line[6:])
                 if "error" in event:
                     raise LegError("proxy", answer.status_code, line)
-                piece = event["choices"][0].get("text") or ""
-                if piece and not any(text):
+                if not text:  # the first token, even one whose text is still empty
                     first()
-                text.append(piece)
+                text.append(event["choices"][0].get("text") or "")
             return answer.headers.get("x-request-id", ""), "".join(text)
 
 
