@@ -94,6 +94,12 @@ class Settings:
         "more calls (less CPU per call, up to this much more latency); an idle server "
         "commits at once; 0: commit as soon as the previous commit ends",
     )
+    journal_busy_timeout_s: float = _setting(
+        5.0,
+        "a journal commit waits this long for another process's write transaction on the "
+        "journal (the event loop serves meanwhile), then the server drains and exits 1, "
+        "in seconds",
+    )
     # --- sharding (docs/sharding.md) --------------------------------------------
     shard_count: int = _setting(1, "coordinator shards in all; 1 is a single coordinator")
     shard_ordinal: int = _setting(
@@ -253,8 +259,13 @@ class Settings:
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        self._check_journal()
         self._check_shards()
         self._check_security()
+
+    def _check_journal(self) -> None:
+        if self.journal_busy_timeout_s == 0:
+            raise ValueError("journal_busy_timeout_s must be > 0")
 
     def _check_shards(self) -> None:
         """The shard identity that can be checked without the hostname (shards.py)."""

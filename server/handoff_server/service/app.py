@@ -85,6 +85,8 @@ class Server:
         self.incarnation = 0  # the coordinator's, new at each start (see _open_journal)
         # Set when the journal cannot be written: the process must stop (serve.py).
         self.failed = asyncio.Event()
+        # Set when another process holds the journal: the process must drain (serve.py).
+        self.held = asyncio.Event()
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -130,7 +132,9 @@ class Server:
                 "(--state-dir keeps them)"
             )
             return
-        journal = Journal.open(Path(settings.state_dir), settings.durability)
+        journal = Journal.open(
+            Path(settings.state_dir), settings.durability, settings.journal_busy_timeout_s
+        )
         try:
             self.recovery = recover(journal, self.registry, self._replay_clock)
         except BaseException:
@@ -140,6 +144,7 @@ class Server:
         self.incarnation = journal.incarnation
         self.registry.recorder = JournalRecorder(journal)
         journal.on_failure = lambda error: self.failed.set()
+        journal.on_held = lambda reason: self.held.set()
         journal.start_writer(settings.journal_commit_delay_ms / 1000)
         log.info(
             "journal at %s (durability %s), coordinator incarnation %d",
