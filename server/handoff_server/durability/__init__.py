@@ -2,6 +2,10 @@
 
 - ``journal``: the SQLite file: group commit, the durability barrier the
   servicer awaits before it writes, compaction, locking.
+- ``statedir``: the state dir checked before the journal opens it, and what
+  to say (naming --state-dir) when it cannot be used.
+- ``space``: new handoffs refused while the journal's volume is short of room.
+- ``holders``: which process holds the journal's write lock.
 - ``records``: the record format: what each accepted call is as JSON, and the
   recorder the registry hands calls to.
 - ``recovery``: crash recovery: replaying a journal into a registry on start.

@@ -94,6 +94,12 @@ class Settings:
         "more calls (less CPU per call, up to this much more latency); an idle server "
         "commits at once; 0: commit as soon as the previous commit ends",
     )
+    journal_reserve_mib: int = _setting(
+        64,
+        "refuse new handoffs (RESOURCE_EXHAUSTED) while the state dir's volume has less "
+        "than this many MiB left for the journal, so the handoffs in flight can still be "
+        "journaled to their end; 0: never refuse (a full volume then stops the server)",
+    )
     journal_busy_timeout_s: float = _setting(
         5.0,
         "a journal commit waits this long for another process's write transaction on the "
@@ -264,6 +270,12 @@ class Settings:
         self._check_security()
 
     def _check_journal(self) -> None:
+        if self.journal_reserve_mib != 0 and self.journal_reserve_mib < MIN_JOURNAL_RESERVE_MIB:
+            # The write-ahead log alone grows to 4 MiB between checkpoints.
+            raise ValueError(
+                f"journal_reserve_mib must be 0 (never refuse) or at least "
+                f"{MIN_JOURNAL_RESERVE_MIB}, got {self.journal_reserve_mib}"
+            )
         if self.journal_busy_timeout_s == 0:
             raise ValueError("journal_busy_timeout_s must be > 0")
 
@@ -316,6 +328,8 @@ class Settings:
 
 
 MAX_PORT = 65535
+# Twice the journal's write-ahead log at its checkpoint size (journal.py).
+MIN_JOURNAL_RESERVE_MIB = 8
 # What Kubernetes puts in HANDOFF_PORT (and HANDOFF_PORT_50051_TCP, ...) for a
 # Service named "handoff" in the namespace, unless enableServiceLinks is off.
 SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
