@@ -57,14 +57,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import math
 import os
 import sqlite3
-import stat
-import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -72,7 +69,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handoff_server.durability import holders, statedir
+from handoff_server.durability import holders, statedir, statelock, torn
+from handoff_server.durability.statedir import JournalError as JournalError
+from handoff_server.durability.statedir import StateDirBusy as StateDirBusy
 
 log = logging.getLogger("handoff.journal")
 
@@ -86,7 +85,6 @@ log = logging.getLogger("handoff.journal")
 # has none, and reads as ended for an unspecified reason.
 FORMAT_VERSION = 3
 DATABASE = "journal.sqlite3"
-LOCK = "lock"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 READ_BATCH = 10_000
 # SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
@@ -115,14 +113,6 @@ CREATE TABLE IF NOT EXISTS engines (
     incarnation TEXT NOT NULL
 ) WITHOUT ROWID;
 """
-
-
-class JournalError(Exception):
-    """The state dir cannot be used; the server must not start (exit 2)."""
-
-
-class StateDirBusy(JournalError):
-    pass
 
 
 class NewerFormat(JournalError):
@@ -207,7 +197,7 @@ class Journal:
         if problem is not None:
             raise JournalError(problem)
         try:
-            lock_fd = _lock(state_dir)
+            lock_fd = statelock.lock(state_dir)
         except PermissionError as error:
             reason = error.strerror or str(error)
             raise JournalError(statedir.unwritable(state_dir, reason)) from error
@@ -219,9 +209,9 @@ class Journal:
         try:
             if statedir.is_full(state_dir):
                 raise JournalError(statedir.full(state_dir))
-            _private_dir(state_dir, lock_fd)
-            _private_database(path)
-            _report_torn_tail(path)
+            statelock.make_private(state_dir, lock_fd)
+            statelock.private_database(path)
+            torn.report_torn_tail(path)
             try:
                 connection = _connect(path, durability, busy_timeout_s)
             except sqlite3.OperationalError as error:
@@ -231,7 +221,7 @@ class Journal:
                 _move_aside(path, str(error))
                 connection = _connect(path, durability, busy_timeout_s)
             try:
-                _same_directory(state_dir, lock_fd)
+                statelock.same_directory(state_dir, lock_fd)
                 incarnation, last = _take_incarnation(connection, path)
                 # Serving, a commit never waits inside SQLite (see the module's note).
                 connection.execute("PRAGMA busy_timeout=0")
@@ -565,95 +555,6 @@ def fresh_incarnation() -> int:
     return time.time_ns() // 1000
 
 
-def _lock(state_dir: Path) -> int:
-    """Hold ``state_dir`` for this process; a second server on it is refused.
-
-    The OS-level lock is on the directory itself, which holds the journal:
-    deleting or replacing the ``lock`` file cannot admit a second server.
-    That file only names the holder's pid, and is opened without following
-    a symlink (a planted link must not make the server overwrite its target)."""
-    try:
-        fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except PermissionError:
-        raise
-    except OSError as error:
-        raise JournalError(
-            f"--state-dir {state_dir} cannot be locked ({error.strerror}): it must be a "
-            f"directory, not a symlink to one; {statedir.FIX}"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        try:
-            holder = (state_dir / LOCK).read_text(errors="replace").strip()[:32] or "unknown"
-        except OSError:
-            holder = "unknown"
-        raise StateDirBusy(
-            f"state dir {state_dir} is in use by another handoff server (pid {holder}); "
-            "one server per state dir"
-        ) from None
-    try:
-        _write_private(state_dir / LOCK, f"{os.getpid()}\n".encode())
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _private_dir(state_dir: Path, fd: int) -> None:
-    """What the journal holds (engine ids, trace context) is the server's alone:
-    the state dir is 0700. One the server does not own (a volume's root, owned
-    by root with the pod's fsGroup) cannot be changed: said, not refused."""
-    try:
-        os.fchmod(fd, 0o700)
-    except PermissionError:
-        log.warning(
-            "state dir %s is not owned by uid %d: its mode is left as it is; point "
-            "--state-dir at a directory the server creates for it to be 0700",
-            state_dir,
-            os.geteuid(),
-        )
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Replace ``path``'s content, never through a symlink; the file is 0600."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except PermissionError:
-        raise  # the state dir is not writable: the caller says which setting fixes it
-    except OSError as error:
-        raise JournalError(f"{path}: not a regular file the server may write ({error})") from None
-    try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            raise JournalError(f"{path}: not a regular file")
-        if status.st_nlink > 1:
-            # Another name for some other file: writing would overwrite it.
-            raise JournalError(f"{path}: has {status.st_nlink} hard links; remove it")
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
-
-
-def _private_database(path: Path) -> None:
-    """The database (and so its -wal and -shm, which SQLite creates with the
-    database's permissions) is 0600, and never a symlink."""
-    for name, create in ((path.name, os.O_CREAT), (path.name + "-wal", 0), (path.name + "-shm", 0)):
-        try:
-            fd = os.open(path.with_name(name), os.O_RDONLY | create | os.O_NOFOLLOW, 0o600)
-        except FileNotFoundError:
-            continue
-        except OSError as error:
-            raise JournalError(f"cannot open {path.with_name(name)}: {error}") from None
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-
-
 def _connect(path: Path, durability: str, busy_timeout_s: float = 5.0) -> sqlite3.Connection:
     # check_same_thread off: opened here, then used by the writer, on the
     # event loop or its thread, never both at once.
@@ -722,17 +623,6 @@ def _cannot_open(state_dir: Path, error: sqlite3.OperationalError) -> str:
     return f"--state-dir {state_dir}: cannot open {path} ({error}); {statedir.FIX}"
 
 
-def _same_directory(state_dir: Path, fd: int) -> None:
-    """The state dir is still the directory locked (checked by inode): one
-    renamed or swapped for another while the server opened it is refused."""
-    locked, now = os.fstat(fd), os.lstat(state_dir)
-    if (locked.st_dev, locked.st_ino) != (now.st_dev, now.st_ino):
-        raise JournalError(
-            f"--state-dir {state_dir} was replaced while the server locked it (another "
-            f"directory is at that path now): start again; {statedir.FIX}"
-        )
-
-
 def _move_aside(path: Path, reason: str) -> None:
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
     for suffix in ("", "-wal", "-shm"):
@@ -746,77 +636,3 @@ def _move_aside(path: Path, reason: str) -> None:
         reason,
         aside,
     )
-
-
-# --- torn tails ------------------------------------------------------------
-
-WAL_HEADER = struct.Struct(">IIIIIIII")
-FRAME_HEADER = struct.Struct(">IIIIII")
-
-
-def _report_torn_tail(path: Path) -> None:
-    """Log what SQLite is about to discard from the end of the WAL.
-
-    SQLite drops every WAL frame after the last one that commits a
-    transaction and passes its checksum chain (a write torn by a crash); it
-    does so silently. Scanning the same chain here says what was dropped. No
-    acknowledgement was ever built on it: nothing leaves before its commit.
-    """
-    wal = path.with_name(path.name + "-wal")
-    try:
-        data = wal.read_bytes()
-    except FileNotFoundError:
-        return
-    if len(data) < WAL_HEADER.size:
-        if data:
-            log.error("journal tail torn: a %d-byte WAL header is dropped", len(data))
-        return
-    magic, _, page_size, _, salt1, salt2, c1, c2 = WAL_HEADER.unpack_from(data)
-    if magic not in (0x377F0682, 0x377F0683):
-        return
-    word = "<" if magic == 0x377F0682 else ">"
-    s0, s1 = _checksum(data[:24], word, 0, 0)
-    if (s0, s1) != (c1, c2):
-        return  # an invalid header: SQLite ignores the whole file (nothing was committed)
-    frame = FRAME_HEADER.size + page_size
-    offset, committed_end, frames, whole = WAL_HEADER.size, WAL_HEADER.size, 0, 0
-    while offset + frame <= len(data):
-        _, commit_size, fsalt1, fsalt2, fc1, fc2 = FRAME_HEADER.unpack_from(data, offset)
-        if (fsalt1, fsalt2) != (salt1, salt2):
-            break  # a frame of an earlier pass over the file: the normal end
-        s0, s1 = _checksum(data[offset : offset + 8], word, s0, s1)
-        s0, s1 = _checksum(data[offset + FRAME_HEADER.size : offset + frame], word, s0, s1)
-        if (s0, s1) != (fc1, fc2):
-            break
-        frames += 1
-        offset += frame
-        if commit_size:
-            committed_end, whole = offset, frames
-    dropped_frames = frames - whole
-    # After the chain, frames of this pass (its salts, a bad checksum) are
-    # torn; frames of an earlier pass over the file are leftovers.
-    end_of_pass = offset
-    while end_of_pass + frame <= len(data):
-        _, _, fsalt1, fsalt2, _, _ = FRAME_HEADER.unpack_from(data, end_of_pass)
-        if (fsalt1, fsalt2) != (salt1, salt2):
-            break
-        dropped_frames += 1
-        end_of_pass += frame
-    partial = len(data) - end_of_pass if len(data) - end_of_pass < frame else 0
-    if dropped_frames or partial:
-        log.error(
-            "journal tail torn by a crash: %d WAL frames (%d bytes) after the last whole "
-            "transaction%s are dropped; they held calls never acknowledged",
-            dropped_frames,
-            end_of_pass + partial - committed_end,
-            f" and a partial frame of {partial} bytes" if partial else "",
-        )
-
-
-def _checksum(data: bytes, word: str, s0: int, s1: int) -> tuple[int, int]:
-    """SQLite's WAL checksum (https://sqlite.org/fileformat.html#checksum_algorithm)."""
-    values = struct.unpack(f"{word}{len(data) // 4}I", data)
-    for i in range(0, len(values), 2):
-        s0 = (s0 + values[i] + s1) & 0xFFFFFFFF
-        s1 = (s1 + values[i + 1] + s0) & 0xFFFFFFFF
-    return s0, s1

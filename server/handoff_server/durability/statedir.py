@@ -18,6 +18,16 @@ from pathlib import Path
 log = logging.getLogger("handoff.journal")
 
 FIX = "fix --state-dir (HANDOFF_STATE_DIR)"
+
+
+class JournalError(Exception):
+    """The state dir cannot be used; the server must not start (exit 2)."""
+
+
+class StateDirBusy(JournalError):
+    pass
+
+
 # A write refused for want of space (a quota counts as the volume's size).
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
