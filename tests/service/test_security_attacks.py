@@ -15,7 +15,7 @@ import stat
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -40,11 +40,16 @@ from tests.support.attack import (
     alongside,
     attacker,
     bearer,
+    engine_streams,
+    fill,
+    finish,
     metric,
     rate,
     serving,
+    small_volume,
     start_request,
 )
+from tests.support.holder import holding
 from tests.support.security import Stub, make_pki, secure_channel
 
 TOKEN = "attack-test-token-0123456789"
@@ -906,3 +911,115 @@ async def test_an_incarnation_dated_in_the_future_fences_nobody_out(served: Serv
         first.cancel()
         await client.completed_at_least(client.completed + MIN_COMPLETED)
         assert_unharmed(client, served)
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Iterator[Path]:
+    """A real 16 MiB file system (tmpfs) for a state dir to fill."""
+    with small_volume(tmp_path / "volume", 16) as mounted:
+        yield mounted
+
+
+async def test_a_filling_volume_refuses_new_handoffs_and_lets_the_others_end(
+    tmp_path: Path, volume: Path
+) -> None:
+    """Item 3: the state dir's volume fills to below --journal-reserve-mib
+    with 20 handoffs in flight. A new start is refused (RESOURCE_EXHAUSTED,
+    naming the handoff, --state-dir and the fix) while the 20 are still
+    reported to their end; once the space is back, the well-behaved client
+    completes handoffs again; no CRITICAL exit. Then, on a volume full to the
+    last byte, `handoff serve` exits 2 with one line, not a traceback.
+    (The client's own starts are refused meanwhile, as anyone's: that is the
+    refusal, so it runs before and after, not during.)"""
+    state = volume / "state"
+    flags = ("--state-dir", str(state), "--journal-reserve-mib", "8")
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+    ):
+        async with alongside(good) as client:
+            await client.completed_at_least(MIN_COMPLETED)
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(good)
+        async with engine_streams(stub, ("fill-src", "fill-dst")):
+            in_flight = [
+                (await stub.StartHandoff(start_request("fill-src", "fill-dst"))).handoff.handoff_id
+                for _ in range(20)
+            ]
+            filler = fill(volume, leave_bytes=4 * 2**20)
+            request = start_request("fill-src", "fill-dst")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.StartHandoff(request)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = refused.value.details() or ""
+            assert details.startswith(
+                f"handoff {request.handoff_id}: the journal's volume (--state-dir {state}) has "
+            ), details
+            assert details.endswith(
+                " MiB left for the journal, less than the 8 MiB reserve (journal_reserve_mib): "
+                "new handoffs are refused so the ones in flight can still be journaled to their "
+                "end; free space on that volume or grow it (handoffs that end and leave "
+                "retention free room in the journal too)"
+            ), details
+            ended = await asyncio.gather(*(finish(stub, handoff) for handoff in in_flight))
+            assert {handoff.completion for handoff in ended} == {pb.COMPLETION_SUCCESS}
+            filler.unlink()
+        async with alongside(good) as client:
+            await client.completed_at_least(MIN_COMPLETED)
+        assert_unharmed(client, served)
+        assert "CRITICAL" not in served.log_text()
+    assert served.process.returncode == 0
+    fill(volume)
+    code, output = await serve_exit(state)
+    assert code == 2, output
+    (line,) = output.strip().splitlines()
+    assert (
+        f"cannot start: --state-dir {state}: its volume is full (0.0 MiB free of 16.0 MiB), "
+        "so the journal cannot be written: free space on that volume or grow it, then start "
+        "again (the journal is kept as it is, and its handoffs are recovered then)"
+    ) in line
+
+
+async def test_a_journal_held_by_another_process_drains_the_server_without_a_stall(
+    tmp_path: Path,
+) -> None:
+    """Item 10 (the writer): another process opens a write transaction on the
+    journal and keeps it. Health keeps answering at once (the issue's loop
+    stalled 5 s); after --journal-busy-timeout-s the server says who holds
+    the journal, naming --state-dir, drains and exits 1, with no CRITICAL and
+    no traceback; restarted once the holder is gone, it recovers every
+    handoff the well-behaved client completed."""
+    state = tmp_path / "state"
+    flags = ("--state-dir", str(state), "--journal-busy-timeout-s", "1")
+    done = asyncio.Event()
+    latencies: list[float] = []
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good) as client,
+    ):
+        probes = asyncio.create_task(
+            probe_latencies(f"127.0.0.1:{served.health_port}", done, latencies)
+        )
+        await client.completed_at_least(MIN_COMPLETED)
+        async with holding(state / "journal.sqlite3") as holder:
+            completed, probed = client.completed, len(latencies)
+            code = await served.process.wait()
+        done.set()
+        await asyncio.gather(probes, return_exceptions=True)  # ends as the server does
+    assert code == 1
+    during = latencies[probed:]
+    assert during, latencies
+    assert max(during) < 0.5, during
+    log = served.log_text()
+    assert f"journal commits wait: pid {holder.pid} (" in log, log[-4000:]
+    assert f") holds a write transaction on {state / 'journal.sqlite3'}" in log
+    assert f"the journal in --state-dir {state} is held by pid {holder.pid} (" in log
+    assert "draining the server: stop that process" in log
+    assert "draining: " in log
+    assert "Traceback" not in log, log[-4000:]
+    assert "CRITICAL" not in log, log[-4000:]
+    async with asyncio.timeout(TIMEOUT_S), serving(tmp_path, *flags) as again:
+        assert await metric(again, "handoff_recovered_handoffs") >= completed
+        assert "torn" not in again.log_text()

@@ -88,6 +88,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subscription_headers: Sequence[tuple[str, str]] = (),
         engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
         shards: Shards | None = None,
+        admit_start: Callable[[], None] = lambda: None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
@@ -98,6 +99,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self._durable = durable
         self.subscription_headers = tuple(subscription_headers)
         self._engine_incarnation = engine_incarnation
+        # Raises (a domain error) when a new handoff must be refused: the
+        # journal's volume is short of room (durability/space.py).
+        self._admit_start = admit_start
         self.newcomers = Newcomers(registry.settings, metrics)
 
     async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -158,6 +162,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             known = start.handoff_id in self.registry.handoffs
             self.shards.check_start(start.handoff_id, known)
             if not known:
+                self._admit_start()
                 self.newcomers.check_start((start.source_engine_id, start.destination_engine_id))
             result = self.registry.start(start)
             answer = Answer.of(result)
