@@ -212,17 +212,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.ReconcileRequest,
         context: grpc.aio.ServicerContext[pb.ReconcileRequest, pb.ReconcileResponse],
     ) -> pb.ReconcileResponse:
-        subject = f"engine {request.engine_id[:128]}"
+        subject = "Reconcile"  # every refusal below names the engine itself
         try:
             engine_id = security.authorize_engine(convert.engine_id(request.engine_id))
-            convert.plausible_incarnation(
+            incarnation = convert.plausible_incarnation(
                 convert.incarnation(request.incarnation), self.registry.clock()
             )
-            convert.session_id(request.session_id)
             releases, lost_applied = self.registry.reconcile(
                 engine_id,
                 convert.held_sides(request.held, "held"),
                 convert.held_sides(request.freed, "freed"),
+                incarnation=incarnation,
+                session_id=convert.session_id(request.session_id),
             )
         except Exception as error:
             await self.refuse(context, "Reconcile", subject, error)
