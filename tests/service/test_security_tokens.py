@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.domain.authorization import Binding
 from handoff_server.ops import config
 from handoff_server.ops.config import Settings
 from handoff_server.service import security
@@ -31,6 +32,7 @@ TIMEOUT_S = 10.0
 OLD = "old-token-0123456789abcdef"
 NEW = "new-token-fedcba9876543210"
 FROM_ENV = "env-token-aaaaaaaaaaaaaaaa"
+DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -50,9 +52,13 @@ def start_request(handoff_id: str | None = None) -> pb.StartHandoffRequest:
 
 @pytest.fixture
 async def guarded(start_server: StartServer, tmp_path: Path) -> Server:
-    """Two tokens from a file (with a comment and blank lines), one from the variable."""
+    """Two tokens from a file (with a comment and blank lines), one from the
+    variable; only the named one acts for the engines (its engines= names them)."""
     token_file = tmp_path / "tokens"
-    token_file.write_text(f"# rotation in progress\n{OLD}\n\n{NEW}  # added today\n")
+    token_file.write_text(
+        f"# rotation in progress\n{OLD}\n\n"
+        f"new {NEW} engines={SOURCE},{DESTINATION}  # added today\n"
+    )
     return await start_server(token_file=str(token_file), tokens=FROM_ENV)
 
 
@@ -152,8 +158,10 @@ async def test_every_accepted_token_works_during_a_rotation(
             assert codes["StartHandoff"] is grpc.StatusCode.OK
             assert codes["ReportFact"] is grpc.StatusCode.OK  # canceled it
             assert codes["GetHandoff"] is grpc.StatusCode.OK
-            assert codes["StreamActions"] is grpc.StatusCode.CANCELLED
-            assert codes["Connect"] is grpc.StatusCode.CANCELLED
+            # A token that names no engine may act for none (docs/security.md).
+            streams = grpc.StatusCode.CANCELLED if token == NEW else DENIED
+            assert codes["StreamActions"] is streams, token
+            assert codes["Connect"] is streams, token
         # The scheme is case-insensitive (RFC 7235).
         stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
         await stub.StartHandoff(start_request(), metadata=(("authorization", f"bearer {NEW}"),))
@@ -336,7 +344,11 @@ def test_the_token_file_in_the_docs_loads_with_its_names_and_scopes(tmp_path: Pa
     loaded = security.load_tokens(Settings(token_file=str(token_file)))
     assert loaded is not None
     router = loaded.identify("rtr-7f3c9a1e5b2d4c6a8e0f")
-    assert router == security.Token("router", frozenset({"start", "report", "read"}))
+    where = f"token_file {token_file}"
+    assert router == security.Token("router", frozenset({"start", "report", "read"}), source=where)
+    prefill = loaded.identify("pf0-1a2b3c4d5e6f7a8b9c0d")
+    assert prefill is not None
+    assert prefill.engines == Binding.of(["prefill-0"])
     ops = loaded.identify("ops-00112233445566778899")
     assert ops is not None
     assert not ops.may_call("StartHandoff")

@@ -257,6 +257,9 @@ class Server:
         if tokens is not None and credentials is None:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
         exposure.warn_if_open(settings.host, tls=credentials is not None, tokens=bool(tokens))
+        mutual = bool(settings.tls_client_ca)
+        for warning in security.binding_warnings(tokens, identities, mutual=mutual):
+            log.warning("%s", warning)
 
     def _health_only_server(self) -> grpc.aio.Server:
         """The same health service on a plaintext port of its own, and nothing

@@ -15,7 +15,7 @@ import hmac
 import json
 import re
 import ssl
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +23,9 @@ from pathlib import Path
 import grpc
 
 from handoff_server.domain import authorization
+from handoff_server.domain.authorization import UNBOUND, WILDCARD, Binding
 from handoff_server.domain.entries import Entry, Retained
-from handoff_server.domain.model import Fact, PermissionDenied
+from handoff_server.domain.model import Fact
 from handoff_server.ops.config import Settings
 from handoff_server.service.convert import ENGINE_ID
 
@@ -105,10 +106,25 @@ TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    """Who presents an accepted token: its name (the caller's identity) and scopes."""
+    """Who presents an accepted token: its name (the caller's identity), its
+    scopes, the engines it may act for, and where it was given (for the
+    refusals' "what to change"): ``token_file PATH``, or ``tokens``."""
 
     name: str
     scopes: frozenset[str] = ALL_SCOPES
+    engines: Binding = UNBOUND
+    source: str = "tokens"
+
+    @property
+    def credential(self) -> Credential:
+        if self.source == "tokens":
+            fix = (
+                "tokens from tokens (HANDOFF_TOKENS) act for no engine; give this caller a "
+                "line NAME TOKEN [SCOPES] engines={engine} in token_file"
+            )
+        else:
+            fix = "add {engine} to engines= on its line of " + self.source.replace("{", "{{")
+        return Credential(str(self), self.engines, fix)
 
     def may_call(self, rpc: str) -> bool:
         """``rpc`` is a coordinator method name; other services' calls need ``read``."""
@@ -151,6 +167,10 @@ class TokenSet:
     def __len__(self) -> int:
         return len(self._digests)
 
+    @property
+    def holders(self) -> tuple[Token, ...]:
+        return tuple(who for _, who in self._digests)
+
     def identify(self, presented: str) -> Token | None:
         digest = hashlib.sha256(presented.encode()).digest()
         found = None
@@ -171,14 +191,36 @@ def _checked_token(token: str, where: str) -> str:
     return token
 
 
+ENGINES_FIELD = "engines="
+
+
+def _engines(field: str, where: str) -> Binding:
+    """``engines=ID,prefix*,...`` of a token's line; ``engines=*``: every engine."""
+    entries = field.removeprefix(ENGINES_FIELD).split(",")
+    for entry in entries:
+        bare = entry.removesuffix(WILDCARD)
+        if not (ENGINE_ID.fullmatch(bare) or (bare == "" and entry == WILDCARD)):
+            raise SecurityConfigError(
+                f"{where}: {entry[:40]!r} in engines= is not an engine id "
+                "(1-128 characters of [A-Za-z0-9._:-]), a prefix ending in *, or *"
+            )
+    return Binding.of(entries)
+
+
 def _token_line(fields: list[str], where: str, number: int) -> tuple[str, Token]:
-    """``TOKEN`` (the old format: named token-N, every scope), or ``NAME TOKEN [SCOPE,...]``."""
+    """``TOKEN`` (the old format: named token-N, every scope, no engine), or
+    ``NAME TOKEN [SCOPE,...] [engines=ID,...]``."""
+    source = where
     if len(fields) == 1:
-        return _checked_token(fields[0], f"{where}: token {number}"), Token(f"token-{number}")
+        secret = _checked_token(fields[0], f"{where}: token {number}")
+        return secret, Token(f"token-{number}", source=source)
+    engines = UNBOUND
+    if fields[-1].startswith(ENGINES_FIELD) and len(fields) > 2:
+        engines = _engines(fields.pop(), f"{where}: token {number} ({fields[0][:64]})")
     if len(fields) > 3:
         raise SecurityConfigError(
-            f"{where}: line of token {number}: expected NAME TOKEN [SCOPE,...], "
-            f"got {len(fields)} fields"
+            f"{where}: line of token {number}: expected NAME TOKEN [SCOPE,...] "
+            f"[engines=ID,...], got {len(fields) + (engines is not UNBOUND)} fields"
         )
     name = fields[0]
     if not TOKEN_NAME.fullmatch(name):
@@ -195,7 +237,7 @@ def _token_line(fields: list[str], where: str, number: int) -> tuple[str, Token]
                 f"{where}: token {number} ({name}): unknown scope {', '.join(sorted(unknown))} "
                 f"(known: {', '.join(sorted(ALL_SCOPES))})"
             )
-    return secret, Token(name, scopes)
+    return secret, Token(name, scopes, engines, source)
 
 
 def load_tokens(settings: Settings) -> TokenSet | None:
@@ -223,6 +265,34 @@ def load_tokens(settings: Settings) -> TokenSet | None:
     if not tokens:
         raise SecurityConfigError("tokens / token_file are set but hold no token")
     return TokenSet(tokens)
+
+
+def binding_warnings(
+    tokens: TokenSet | None, identities: EngineIdentities | None, *, mutual: bool
+) -> list[str]:
+    """What to say at start about engine bindings that refuse every engine, or
+    allow them all: an upgrade from a version that bound none must not fail
+    its sidecars silently, nor keep an any-engine token unnoticed."""
+    warnings = []
+    for token in tokens.holders if tokens is not None else ():
+        if "engine" in token.scopes and not token.engines.engine:
+            warnings.append(
+                f"{token} may call StreamActions, Connect and Reconcile (scope engine) but "
+                f"names no engine, so each is refused: add engines=ID,... to its line of "
+                f"{token.source} (docs/security.md, \"Engine bindings\")"
+            )
+        elif token.engines.any_engine:
+            warnings.append(
+                f"{token} acts for every engine (engines=*): whoever holds it can subscribe, "
+                f"reconcile and report as any engine; list its engines in {token.source}"
+            )
+    if mutual and tokens is None and identities is None:
+        warnings.append(
+            "mutual TLS without tokens and without engine_identity_file: a certificate acts "
+            "for no engine, so every StreamActions, Connect and Reconcile is refused; map "
+            "the engines' SANs in engine_identity_file (docs/security.md, \"Engine bindings\")"
+        )
+    return warnings
 
 
 def authenticate(tokens: TokenSet, metadata: Iterable[tuple[str, str | bytes]]) -> Token | str:
@@ -267,8 +337,11 @@ def typed_san(entry: str, where: str, engine_id: str) -> San:
 class EngineIdentities:
     """Which client-certificate SANs, by type, may act for which engine ids."""
 
-    def __init__(self, engines_by_san: Mapping[San, frozenset[str]]) -> None:
+    def __init__(
+        self, engines_by_san: Mapping[San, frozenset[str]], source: str = "engine_identity_file"
+    ) -> None:
         self._engines_by_san = dict(engines_by_san)
+        self.source = source  # "engine_identity_file PATH", named in refusals
 
     def __len__(self) -> int:
         return len({e for engines in self._engines_by_san.values() for e in engines})
@@ -307,7 +380,7 @@ class EngineIdentities:
                 )
             for san in sans:
                 by_san.setdefault(typed_san(san, where, engine_id), set()).add(engine_id)
-        return cls({san: frozenset(engines) for san, engines in by_san.items()})
+        return cls({san: frozenset(engines) for san, engines in by_san.items()}, where)
 
 
 def load_identities(settings: Settings) -> EngineIdentities | None:
@@ -319,26 +392,98 @@ def load_identities(settings: Settings) -> EngineIdentities | None:
 
 
 @dataclass(frozen=True, slots=True)
+class Credential:
+    """One credential a caller presents (a token, a client certificate): its
+    name in refusals, the engines it lets the caller act for, and where to
+    change them (``fix``, with ``{engine}`` for the engine refused)."""
+
+    name: str
+    engines: Binding
+    fix: str
+
+
+@dataclass(frozen=True, slots=True)
 class Caller:
-    """The peer of one call, when engine identities are enforced."""
+    """The peer of one call, as far as engines go: what each of its
+    credentials lets it act for. It acts for an engine only where every one
+    of them does (a token and a certificate must both name it)."""
 
-    sans: tuple[San, ...]
-    engines: frozenset[str]  # empty: not an engine (a frontend)
+    credentials: tuple[Credential, ...]
 
-    @classmethod
-    def of(
-        cls, identities: EngineIdentities, auth_context: Mapping[str, Iterable[bytes]]
-    ) -> Caller:
-        sans = tuple(
-            (kind, value.decode("utf-8", "replace"))
-            for kind, name in SAN_PROPERTIES.items()
-            for value in auth_context.get(name, ())
-        )
-        return cls(sans, identities.engines_for(sans))
+    @property
+    def engines(self) -> Binding:
+        engines = self.credentials[0].engines
+        for credential in self.credentials[1:]:
+            engines &= credential.engines
+        return engines
+
+    def fix(self, engine_id: str) -> str:
+        """Where to give this caller ``engine_id``: the first credential that does not."""
+        lacking = [c for c in self.credentials if not c.engines.covers(engine_id)]
+        return (lacking or list(self.credentials))[0].fix.format(engine=engine_id)
 
     def __str__(self) -> str:
-        shown = ", ".join(f"{kind}:{value[:80]}" for kind, value in self.sans[:4]) or "no SAN"
-        return f"client certificate ({shown})"
+        return " with ".join(credential.name for credential in self.credentials)
+
+
+def certificate(
+    identities: EngineIdentities | None, auth_context: Mapping[str, Iterable[bytes]]
+) -> Credential:
+    """A verified client certificate, with the engines ``identities`` maps its
+    SANs to; without an identity file it names none (a frontend's)."""
+    sans = tuple(
+        (kind, value.decode("utf-8", "replace"))
+        for kind, name in SAN_PROPERTIES.items()
+        for value in auth_context.get(name, ())
+    )
+    shown = ", ".join(f"{kind}:{value[:80]}" for kind, value in sans[:4]) or "no SAN"
+    if identities is None:
+        engines = UNBOUND
+        fix = (
+            "a certificate acts for the engines engine_identity_file maps its SANs to, "
+            "and none is set: map one of its SANs to {engine} there"
+        )
+    else:
+        engines = Binding.of(identities.engines_for(sans))
+        fix = "map one of its SANs to {engine} in " + identities.source.replace("{", "{{")
+    return Credential(f"client certificate ({shown})", engines, fix)
+
+
+def caller_of(
+    holder: Token | None,
+    *,
+    tokens: bool,
+    identities: EngineIdentities | None,
+    mutual: bool,
+    auth_context: Callable[[], Mapping[str, Iterable[bytes]]],
+) -> Caller | None:
+    """The credentials that bind the caller of one call to engines; None when
+    nothing identifies callers (no token, no client certificate): then any
+    caller acts for any engine.
+
+    A token binds by its ``engines=`` (none written: no engine). A client
+    certificate binds by the identity file, when one is set, and also
+    without one when it is the only credential (mutual TLS, no tokens): then
+    it names no engine. So every identified caller acts only for the engines
+    written for it, and never for one by default.
+    """
+    credentials = []
+    if holder is not None:
+        credentials.append(holder.credential)
+    elif tokens:
+        credentials.append(ANONYMOUS)
+    if identities is not None or (mutual and not tokens):
+        credentials.append(certificate(identities, auth_context()))
+    return Caller(tuple(credentials)) if credentials else None
+
+
+# A call without a token where tokens are on (a method of --auth-exempt-methods).
+ANONYMOUS = Credential(
+    "a caller without a token",
+    UNBOUND,
+    "{engine} is acted for only with a token naming it: remove the method from "
+    "auth_exempt_methods",
+)
 
 
 def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
@@ -367,8 +512,8 @@ CALLER: ContextVar[Caller | None] = ContextVar("handoff_caller", default=None)
 def authorize_engine(engine_id: str) -> str:
     """For StreamActions, Connect and Reconcile: the caller may act as ``engine_id``."""
     caller = CALLER.get()
-    if caller is not None and engine_id not in caller.engines:
-        raise PermissionDenied(f"{caller} may not act for engine {engine_id}")
+    if caller is not None:
+        authorization.check_engine(str(caller), caller.engines, engine_id, caller.fix)
     return engine_id
 
 
@@ -377,7 +522,9 @@ def authorize_report(
 ) -> None:
     """For ReportFact and ReportOutcome (also on Connect), before the registry
     call: the rule is the domain's (domain/authorization.py), the caller's
-    engines are the certificate's."""
+    engines are its credentials'."""
     caller = CALLER.get()
     if caller is not None:
-        authorization.check(str(caller), caller.engines, entry, fact=fact, action_id=action_id)
+        authorization.check(
+            str(caller), caller.engines, entry, caller.fix, fact=fact, action_id=action_id
+        )
