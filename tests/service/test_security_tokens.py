@@ -288,6 +288,10 @@ def write_file(path: Path, text: str) -> str:
         ("", f"router {OLD} start,fly\n", "unknown scope fly"),
         ("", f"router {OLD}\nrouter {NEW}\n", "token names must differ: router"),
         ("", f"a/b {OLD}\n", "its name must be 1-64 characters"),
+        ("", f"p {OLD} engines=\n", "'' in engines= is not an engine id"),
+        ("", f"p {OLD} engine engines=a,b!\n", "'b!' in engines= is not an engine id"),
+        ("", f"p {OLD} engine engines=*p\n", "'\\*p' in engines= is not an engine id"),
+        ("", f"p {OLD} engine x engines=a\n", "expected NAME TOKEN .SCOPE,.... .engines=ID"),
     ],
 )
 async def test_unusable_tokens_stop_the_start(
@@ -336,6 +340,44 @@ async def test_a_named_token_may_call_only_what_its_scopes_allow(
         engine = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE), metadata=bearer(NEW))
         assert await engine.code() is grpc.StatusCode.PERMISSION_DENIED
     assert len(server.registry.handoffs) == 1
+
+
+def test_a_token_line_names_the_engines_its_holder_acts_for(tmp_path: Path) -> None:
+    """engines= after the scopes (or in their place): ids, prefixes ending in *,
+    or * alone; a line without it, and a bare token, act for no engine."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text(
+        f"fleet {OLD} engine,report engines=prefill-*,decode-0\n"
+        f"any {NEW} engines=*\n{FROM_ENV}\nrouter router-token-0123456789 start\n"
+    )
+    loaded = security.load_tokens(Settings(token_file=str(token_file)))
+    assert loaded is not None
+    fleet, anyone, bare, router = loaded.holders
+    assert fleet.scopes == {"engine", "report"}
+    assert [fleet.engines.covers(e) for e in ("prefill-7", "decode-0", "decode-1")] == [
+        True,
+        True,
+        False,
+    ]
+    assert anyone.scopes == security.ALL_SCOPES
+    assert anyone.engines.any_engine
+    for unbound in (bare, router):
+        assert unbound.engines == Binding()
+        assert not unbound.engines.engine
+    warnings = security.binding_warnings(loaded, None, mutual=False)
+    assert [w.split(" ", 2)[:2] for w in warnings] == [["token", "any"], ["token", "token-3"]]
+
+
+def test_a_caller_with_two_credentials_acts_where_both_let_it() -> None:
+    """A token and a certificate together: the engines both name, and an
+    engine's caller even where they name none in common."""
+    token = Binding.of(["prefill-*", "decode-0"])
+    certificate = Binding.of(["prefill-0", "decode-1"])
+    both = token & certificate
+    assert (both.ids, both.prefixes, both.engine) == (frozenset({"prefill-0"}), (), True)
+    assert (Binding.of(["p-*"]) & Binding.of(["p-1*"])).prefixes == ("p-1",)
+    assert not (Binding.of(["a"]) & Binding.of(["b"])).covers("a")
+    assert (Binding.of(["a"]) & Binding()).engine
 
 
 def test_the_token_file_in_the_docs_loads_with_its_names_and_scopes(tmp_path: Path) -> None:
