@@ -21,7 +21,7 @@ from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.domain.authorization import Binding
 from handoff_server.ops import config
 from handoff_server.ops.config import Settings
-from handoff_server.service import security
+from handoff_server.service import bindings, security
 from handoff_server.service.app import Server
 from handoff_server.service.security import SecurityConfigError, TokenSet
 from tests.support.rpc import DESTINATION, SOURCE
@@ -364,7 +364,7 @@ def test_a_token_line_names_the_engines_its_holder_acts_for(tmp_path: Path) -> N
     for unbound in (bare, router):
         assert unbound.engines == Binding()
         assert not unbound.engines.engine
-    warnings = security.binding_warnings(loaded, None, mutual=False)
+    warnings = bindings.binding_warnings(loaded, None, mutual=False)
     assert [w.split(" ", 2)[:2] for w in warnings] == [["token", "any"], ["token", "token-3"]]
 
 

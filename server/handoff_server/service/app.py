@@ -23,7 +23,7 @@ from handoff_server.durability.recovery import Recovery, ReplayClock, recover
 from handoff_server.ops import tracing
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import exposure, security
+from handoff_server.service import bindings, exposure, security
 from handoff_server.service.exposition import MetricsEndpoint
 from handoff_server.service.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
 from handoff_server.service.probes import HealthGate
@@ -258,7 +258,7 @@ class Server:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
         exposure.warn_if_open(settings.host, tls=credentials is not None, tokens=bool(tokens))
         mutual = bool(settings.tls_client_ca)
-        for warning in security.binding_warnings(tokens, identities, mutual=mutual):
+        for warning in bindings.binding_warnings(tokens, identities, mutual=mutual):
             log.warning("%s", warning)
 
     def _health_only_server(self) -> grpc.aio.Server:
