@@ -139,15 +139,16 @@ class Settings:
     token_file: str = _setting(
         "",
         "file of accepted bearer tokens, one per line: NAME TOKEN [SCOPE,...] "
-        "(docs/limits.md; a bare TOKEN still works; '#' starts a comment)",
+        "[engines=ID,...], the engines it may act for, none without (docs/limits.md; "
+        "a bare TOKEN still works, as a frontend's; '#' starts a comment)",
     )
     # Not in repr: Settings may be logged, and this holds secrets.
     tokens: str = field(
         default="",
         repr=False,
         metadata={
-            "help": "accepted bearer tokens, comma-separated; prefer the variable or "
-            "--token-file (a flag is visible in the process list)"
+            "help": "accepted bearer tokens, comma-separated, acting for no engine; prefer "
+            "the variable or --token-file (a flag is visible in the process list)"
         },
     )
     auth_exempt_methods: str = _setting(

@@ -24,7 +24,7 @@ from handoff_server.durability.space import Headroom
 from handoff_server.ops import tracing
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import exposure, security
+from handoff_server.service import bindings, exposure, security
 from handoff_server.service.exposition import MetricsEndpoint
 from handoff_server.service.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
 from handoff_server.service.probes import HealthGate
@@ -272,6 +272,9 @@ class Server:
         if tokens is not None and credentials is None:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
         exposure.warn_if_open(settings.host, tls=credentials is not None, tokens=bool(tokens))
+        mutual = bool(settings.tls_client_ca)
+        for warning in bindings.binding_warnings(tokens, identities, mutual=mutual):
+            log.warning("%s", warning)
 
     def _health_only_server(self) -> grpc.aio.Server:
         """The same health service on a plaintext port of its own, and nothing
