@@ -7,6 +7,7 @@ import contextlib
 import random
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -212,8 +213,12 @@ async def test_start_handoff_gives_up_after_max_attempts() -> None:
     assert rng.draws == 3
 
 
-async def test_the_token_goes_with_every_call(start_lean_server: StartServer) -> None:
-    server = await start_lean_server(tokens=TOKEN)
+async def test_the_token_goes_with_every_call(
+    start_lean_server: StartServer, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"sidecar {TOKEN} engines=prefill-0\n")  # it acts as prefill-0 too
+    server = await start_lean_server(token_file=str(token_file))
     target = f"127.0.0.1:{server.port}"
     async with HandoffClient(target, token=TOKEN) as client, asyncio.timeout(TIMEOUT_S):
         handoff_id = await start_vllm(client)

@@ -118,7 +118,7 @@ def test_a_success_has_no_cancellation() -> None:
 def test_a_side_its_sidecar_freed_is_lost_as_reconciled() -> None:
     h = Harness()
     handoff_id = h.start()
-    h.registry.reconcile(SOURCE, [], [(handoff_id, Role.SOURCE)])
+    h.reconcile(SOURCE, [], [(handoff_id, Role.SOURCE)])
     (reason,) = h.registry.get(handoff_id).reasons
     assert reason == EndReason(EndCause.ENGINE_LOST, Role.SOURCE, SOURCE, LostCause.RECONCILED)
     assert reason.describe() == "engine_lost: source prefill-a (reconciled)"

@@ -3,8 +3,9 @@ event loop, except what may fsync (the checkpoint, and the commit after it)
 and large batches, which run on the writer's thread; with ``full`` every
 commit on the thread.
 The WAL stays bounded, a reader cannot make the writer wait, close truncates
-the WAL, and a commit that fails on the event loop stops the server with
-nothing built on it sent.
+the WAL, a commit that fails on the event loop stops the server with
+nothing built on it sent, and another process's write lock makes commits
+wait without stopping the loop.
 
 Where a statement ran is read from SQLite's own trace callback, which runs on
 the thread that executes the statement."""
@@ -29,6 +30,7 @@ from handoff_server.durability.journal import (
     WAL_CHECKPOINT_BYTES,
     Journal,
 )
+from tests.support.holder import holding
 from tests.support.rpc import SOURCE, StreamRecorder, start_request
 from tests.support.servers import StartServer
 
@@ -201,3 +203,49 @@ async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_serve
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
     assert [key for key in source.received if key[0] == second] == []
     assert list(source.received) == [(first, 0)]
+
+
+@pytest.mark.timeout(30)
+async def test_another_writer_makes_commits_wait_off_the_loop_then_asks_for_a_drain(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite's own busy handler would sleep on the event loop: while another
+    process holds a write transaction, the loop keeps turning, the commit
+    waits, the server is asked to drain after the busy timeout (naming the
+    holder), and once the lock is released the batch is committed."""
+    journal = Journal.open(tmp_path, "normal", busy_timeout_s=0.3)
+    held = asyncio.Event()
+    reasons: list[str] = []
+
+    def on_held(reason: str) -> None:
+        reasons.append(reason)
+        held.set()
+
+    journal.on_held = on_held
+    journal.start_writer()
+    await write(journal, tmp_path, 1, 1)  # the WAL's first commit is behind it
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+
+    async def ticking() -> None:
+        while not held.is_set():
+            began = loop.time()
+            await asyncio.sleep(0.005)
+            gaps.append(loop.time() - began)
+
+    try:
+        with caplog.at_level(logging.WARNING, "handoff.journal"):
+            async with holding(tmp_path / DATABASE) as holder:
+                journal.append("waits", 1.0, BODY)
+                durable = asyncio.create_task(journal.durable())
+                await asyncio.gather(ticking(), held.wait())
+                assert not durable.done()
+            await asyncio.wait_for(durable, 5)
+    finally:
+        await journal.close()
+    assert max(gaps) < 0.1, max(gaps)  # SQLite's handler would have slept 5 s
+    (reason,) = reasons
+    assert reason.startswith(f"the journal in --state-dir {tmp_path} is held by pid {holder.pid}")
+    assert "journal commits wait: pid" in caplog.text
+    assert "journal commits go on" in caplog.text
+    assert committed(tmp_path) == 2

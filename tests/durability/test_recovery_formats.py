@@ -207,7 +207,9 @@ def test_why_an_unfinished_handoff_ended_survives_a_restart_and_its_completion(
     assert registry.take(source, 100)  # each SubmitPrefill reached p: its cleanup is owed
     registry.report_fact("canceled", Canceled(), detail="client went away")
     registry.report_fact("failed", Failed(), detail="router gave up")
-    registry.reconcile("d", [], [("reconciled", Role.DESTINATION)])
+    live = registry.subscribe("d", lambda: None)  # a reconcile comes from the live stream
+    registry.reconcile("d", [], [("reconciled", Role.DESTINATION)], incarnation="", session_id="")
+    registry.unsubscribe(live)
     registry.cancel_active("server shutting down")
     before = {h: registry.get(h).reasons for h in ids}
     assert before == {

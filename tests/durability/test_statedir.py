@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from handoff_server.durability.journal import Journal, JournalError
+from tests.support.holder import holding_now
 
 FIX = "fix --state-dir (HANDOFF_STATE_DIR)"
 
@@ -82,3 +83,49 @@ def test_a_symlink_is_refused_naming_the_setting(tmp_path: Path) -> None:
     assert "not a symlink" in str(refused.value)
     assert FIX in str(refused.value)
     assert list(real.iterdir()) == []
+
+
+def test_a_full_volume_is_refused_in_one_line_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite says "database or disk is full" (or "disk I/O error") from deep
+    inside the open; the server says which setting, and what to do.
+    (tests/service/test_security_attacks.py does it on a real full volume.)"""
+    Journal.open(tmp_path).close_now()
+    real = os.statvfs(tmp_path)
+
+    class Full:
+        f_bavail, f_frsize, f_blocks = 0, real.f_frsize, 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Full())
+    with pytest.raises(JournalError) as refused:
+        Journal.open(tmp_path)
+    assert str(refused.value) == (
+        f"--state-dir {tmp_path}: its volume is full "
+        f"(0.0 MiB free of {4096 * real.f_frsize / 2**20:.1f} MiB), so the journal cannot be "
+        "written: free space on that volume or grow it, then start again (the journal is "
+        "kept as it is, and its handoffs are recovered then)"
+    )
+
+
+def test_a_journal_another_process_writes_is_refused_naming_it(tmp_path: Path) -> None:
+    Journal.open(tmp_path).close_now()
+    database = tmp_path / "journal.sqlite3"
+    with holding_now(database) as holder, pytest.raises(JournalError) as refused:
+        Journal.open(tmp_path, busy_timeout_s=0.1)
+    assert str(refused.value).startswith(
+        f"--state-dir {tmp_path}: {database} is being written by pid {holder.pid}"
+    )
+    assert str(refused.value).endswith(": stop that process, then start again")
+
+
+def test_a_lock_file_with_another_name_is_not_written(tmp_path: Path) -> None:
+    """A hard link is another name for a file the server must not overwrite."""
+    state = tmp_path / "state"
+    state.mkdir()
+    precious = tmp_path / "precious"
+    precious.write_text("keep me\n")
+    os.link(precious, state / "lock")
+    with pytest.raises(JournalError, match="lock: has 2 hard links; remove it"):
+        Journal.open(state)
+    assert precious.read_text() == "keep me\n"

@@ -495,7 +495,9 @@ async def test_the_command_reaches_a_coordinator_over_mutual_tls_with_a_token(
     start_lean_server: StartServer, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     pki = make_pki(tmp_path)
-    server = await start_lean_server(**pki.tls_settings(mutual=True), tokens=TOKEN)
+    served = tmp_path / "served-tokens"
+    served.write_text(f"everyone {TOKEN} engines=prefill-0,decode-0\n")  # the stand-ins' too
+    server = await start_lean_server(**pki.tls_settings(mutual=True), token_file=str(served))
     target = f"127.0.0.1:{server.port}"
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")

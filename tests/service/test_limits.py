@@ -205,7 +205,7 @@ async def test_calls_per_identity_are_capped_and_an_engine_s_streams_count_once(
     start_server: StartServer, tmp_path: Path
 ) -> None:
     tokens = tmp_path / "tokens"
-    tokens.write_text("busy busy-token-0123456789\nother other-token-012345678\n")
+    tokens.write_text("busy busy-token-0123456789 engines=e*\nother other-token-012345678\n")
     server = await start_server(token_file=str(tokens), max_calls_per_identity=2)
     busy = (("authorization", "Bearer busy-token-0123456789"),)
     other = (("authorization", "Bearer other-token-012345678"),)

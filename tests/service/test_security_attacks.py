@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import ssl
 import stat
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -40,16 +41,26 @@ from tests.support.attack import (
     alongside,
     attacker,
     bearer,
+    engine_streams,
+    fill,
+    finish,
     metric,
     rate,
     serving,
+    small_volume,
     start_request,
 )
+from tests.support.holder import holding
+from tests.support.rpc import SUBMITTED
 from tests.support.security import Stub, make_pki, secure_channel
 
 TOKEN = "attack-test-token-0123456789"
 ATTACKER = "attacker-token-0123456789ab"
 TIMEOUT_S = 60.0
+# The well-behaved client's token: it acts as its two engines (good-prefill,
+# good-decode) and the engines a test subscribes for it; a token names the
+# engines it may act for (docs/security.md, "Engine bindings").
+GOOD = f"good {TOKEN} engines=good-*,fenced-victim"
 # Generous: the server idles at ~50 MiB; the issue's attacks took it past 1.6 GiB.
 RSS_CEILING_MIB = 300.0
 # What the well-behaved client must manage while under attack, at the least.
@@ -59,7 +70,7 @@ MIN_COMPLETED = 3
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN}\n{ATTACKER}\n")
+    tokens.write_text(f"{GOOD}\nattacker {ATTACKER} engines=bomber-*,flooder-*\n")
     async with serving(tmp_path, "--token-file", str(tokens)) as served:
         yield served
 
@@ -225,7 +236,7 @@ async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
     against the default 10,000 proved nothing and, on a loaded machine, kept
     the well-behaved client's calls queued in gRPC behind them past its 5 s.)"""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"{TOKEN}\n{ATTACKER}\n")
+    tokens.write_text(f"{GOOD}\n{ATTACKER}\n")
     flags = ("--token-file", str(tokens), "--max-concurrent-rpcs", "200", "--max-engines", "50")
     async with (
         asyncio.timeout(TIMEOUT_S),
@@ -304,7 +315,7 @@ async def _first_or_code(call: grpc.aio.UnaryStreamCall[object, object]) -> grpc
 async def strict(tmp_path: Path) -> AsyncIterator[Served]:
     """Named tokens, and per-identity limits low enough to reach in a few seconds."""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"good {TOKEN}\nflood {ATTACKER} start,engine,report\n")
+    tokens.write_text(f"{GOOD}\nflood {ATTACKER} start,engine,report\n")
     flags = (
         *("--token-file", str(tokens)),
         *("--max-starts-per-s-per-identity", "100"),
@@ -534,7 +545,7 @@ async def test_an_engine_token_cannot_report_over_connect(tmp_path: Path) -> Non
     """Item 9: the Canceled fact ReportFact refuses an engine-only token is
     refused the same way inside a Connect message, and the handoff goes on."""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"good {TOKEN}\nengine-only {ATTACKER} engine\n")
+    tokens.write_text(f"{GOOD}\nengine-only {ATTACKER} engine engines=victim-src\n")
     async with (
         asyncio.timeout(TIMEOUT_S),
         serving(tmp_path, "--token-file", str(tokens)) as served,
@@ -781,7 +792,7 @@ async def test_calls_without_their_message_are_counted_when_they_arrive(tmp_path
     ends the oldest); every probe on either port is answered SERVING, and the
     well-behaved client keeps going (at half its rate at least)."""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"good {TOKEN}\nreader {ATTACKER} read\n")
+    tokens.write_text(f"{GOOD}\nreader {ATTACKER} read\n")
     flags = (
         *("--token-file", str(tokens)),
         *("--max-calls-per-identity", "50"),
@@ -839,7 +850,7 @@ async def test_one_identity_cannot_take_every_engine_slot(tmp_path: Path) -> Non
     max_engines_per_identity it is refused, while another identity's new
     engine is admitted (the server-wide max_engines is far from reached)."""
     tokens = tmp_path / "tokens"
-    tokens.write_text(f"good {TOKEN}\nhoarder {ATTACKER} engine\n")
+    tokens.write_text(f"{GOOD}\nhoarder {ATTACKER} engine engines=hoarded-*\n")
     flags = ("--token-file", str(tokens), "--max-engines-per-identity", "5")
     async with (
         asyncio.timeout(TIMEOUT_S),
@@ -879,7 +890,9 @@ async def test_an_incarnation_dated_in_the_future_fences_nobody_out(served: Serv
     """Item 5 (the incarnation): a stream naming the well-behaved client's
     engine with incarnation 9999999999999-zzzz (year 2286) would have fenced
     the real engine out until a restart; it is refused, and the real engine,
-    resubscribing with its own incarnation, is not fenced."""
+    resubscribing with its own incarnation, is not fenced. The forger holds
+    the engine's own token (a buggy or stolen sidecar): another identity's
+    stream is refused before its incarnation is looked at (the next test)."""
     real = f"{time.time_ns() // 1_000_000:013d}-real"
     async with (
         asyncio.timeout(TIMEOUT_S),
@@ -894,7 +907,7 @@ async def test_an_incarnation_dated_in_the_future_fences_nobody_out(served: Serv
         await first.initial_metadata()
         forged = pb_grpc.HandoffCoordinatorStub(bad).StreamActions(
             pb.StreamActionsRequest(engine_id="fenced-victim", incarnation="9999999999999-zzzz"),
-            metadata=bearer(ATTACKER),
+            metadata=bearer(TOKEN),
         )
         assert await forged.code() == grpc.StatusCode.INVALID_ARGUMENT
         details = await forged.details() or ""
@@ -904,5 +917,368 @@ async def test_an_incarnation_dated_in_the_future_fences_nobody_out(served: Serv
         await again.initial_metadata()  # the same incarnation: a reconnect, not fenced
         again.cancel()
         first.cancel()
+        await client.completed_at_least(client.completed + MIN_COMPLETED)
+        assert_unharmed(client, served)
+
+
+@pytest.fixture
+def volume(tmp_path: Path) -> Iterator[Path]:
+    """A real 16 MiB file system (tmpfs) for a state dir to fill."""
+    with small_volume(tmp_path / "volume", 16) as mounted:
+        yield mounted
+
+
+async def test_a_filling_volume_refuses_new_handoffs_and_lets_the_others_end(
+    tmp_path: Path, volume: Path
+) -> None:
+    """Item 3: the state dir's volume fills to below --journal-reserve-mib
+    with 20 handoffs in flight. A new start is refused (RESOURCE_EXHAUSTED,
+    naming the handoff, --state-dir and the fix) while the 20 are still
+    reported to their end; once the space is back, the well-behaved client
+    completes handoffs again; no CRITICAL exit. Then, on a volume full to the
+    last byte, `handoff serve` exits 2 with one line, not a traceback.
+    (The client's own starts are refused meanwhile, as anyone's: that is the
+    refusal, so it runs before and after, not during.)"""
+    state = volume / "state"
+    flags = ("--state-dir", str(state), "--journal-reserve-mib", "8")
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+    ):
+        async with alongside(good) as client:
+            await client.completed_at_least(MIN_COMPLETED)
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(good)
+        async with engine_streams(stub, ("fill-src", "fill-dst")):
+            in_flight = [
+                (await stub.StartHandoff(start_request("fill-src", "fill-dst"))).handoff.handoff_id
+                for _ in range(20)
+            ]
+            filler = fill(volume, leave_bytes=4 * 2**20)
+            request = start_request("fill-src", "fill-dst")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.StartHandoff(request)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = refused.value.details() or ""
+            assert details.startswith(
+                f"handoff {request.handoff_id}: the journal's volume (--state-dir {state}) has "
+            ), details
+            assert details.endswith(
+                " MiB left for the journal, less than the 8 MiB reserve (journal_reserve_mib): "
+                "new handoffs are refused so the ones in flight can still be journaled to their "
+                "end; free space on that volume or grow it (handoffs that end and leave "
+                "retention free room in the journal too)"
+            ), details
+            ended = await asyncio.gather(*(finish(stub, handoff) for handoff in in_flight))
+            assert {handoff.completion for handoff in ended} == {pb.COMPLETION_SUCCESS}
+            filler.unlink()
+        async with alongside(good) as client:
+            await client.completed_at_least(MIN_COMPLETED)
+        assert_unharmed(client, served)
+        assert "CRITICAL" not in served.log_text()
+    assert served.process.returncode == 0
+    fill(volume)
+    code, output = await serve_exit(state)
+    assert code == 2, output
+    (line,) = output.strip().splitlines()
+    assert (
+        f"cannot start: --state-dir {state}: its volume is full (0.0 MiB free of 16.0 MiB), "
+        "so the journal cannot be written: free space on that volume or grow it, then start "
+        "again (the journal is kept as it is, and its handoffs are recovered then)"
+    ) in line
+
+
+async def test_a_journal_held_by_another_process_drains_the_server_without_a_stall(
+    tmp_path: Path,
+) -> None:
+    """Item 10 (the writer): another process opens a write transaction on the
+    journal and keeps it. Health keeps answering at once (the issue's loop
+    stalled 5 s); after --journal-busy-timeout-s the server says who holds
+    the journal, naming --state-dir, drains and exits 1, with no CRITICAL and
+    no traceback; restarted once the holder is gone, it recovers every
+    handoff the well-behaved client completed."""
+    state = tmp_path / "state"
+    flags = ("--state-dir", str(state), "--journal-busy-timeout-s", "1")
+    done = asyncio.Event()
+    latencies: list[float] = []
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good) as client,
+    ):
+        probes = asyncio.create_task(
+            probe_latencies(f"127.0.0.1:{served.health_port}", done, latencies)
+        )
+        await client.completed_at_least(MIN_COMPLETED)
+        async with holding(state / "journal.sqlite3") as holder:
+            completed, probed = client.completed, len(latencies)
+            code = await served.process.wait()
+        done.set()
+        await asyncio.gather(probes, return_exceptions=True)  # ends as the server does
+    assert code == 1
+    during = latencies[probed:]
+    assert during, latencies
+    assert max(during) < 0.5, during
+    log = served.log_text()
+    assert f"journal commits wait: pid {holder.pid} (" in log, log[-4000:]
+    assert f") holds a write transaction on {state / 'journal.sqlite3'}" in log
+    assert f"the journal in --state-dir {state} is held by pid {holder.pid} (" in log
+    assert "draining the server: stop that process" in log
+    assert "draining: " in log
+    assert "Traceback" not in log, log[-4000:]
+    assert "CRITICAL" not in log, log[-4000:]
+    async with asyncio.timeout(TIMEOUT_S), serving(tmp_path, *flags) as again:
+        assert await metric(again, "handoff_recovered_handoffs") >= completed
+        assert "torn" not in again.log_text()
+
+
+def incarnation(tag: str, ahead_s: float = 0.0) -> str:
+    """An incarnation in the SDK's format: its start in unix milliseconds, then a tag."""
+    return f"{round((time.time() + ahead_s) * 1000):013d}-{tag}"
+
+
+async def hold_open(first: pb.ConnectRequest) -> AsyncIterator[pb.ConnectRequest]:
+    yield first
+    await asyncio.Event().wait()  # until the call ends
+
+
+async def refusal(call: grpc.aio.Call) -> tuple[grpc.StatusCode, str]:
+    return await call.code(), await call.details() or ""
+
+
+def victim_start() -> pb.StartHandoffRequest:
+    """A handoff from the engine the attacks name to the well-behaved decode."""
+    return start_request("fenced-victim", "good-decode")
+
+
+BARE = "bare-old-format-token-0123"  # a token alone on its line: the older format
+
+
+@pytest.fixture
+async def intruded(tmp_path: Path) -> AsyncIterator[Served]:
+    """The well-behaved client's token, the intruder's (bound to intruder-0)
+    and a bare one, in the token file ``tmp_path / "tokens"``."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{GOOD}\nintruder {ATTACKER} engine,report engines=intruder-0\n{BARE}\n")
+    async with serving(tmp_path, "--token-file", str(tokens)) as served:
+        yield served
+
+
+def real_engine() -> pb.StreamActionsRequest:
+    """The real engine the attacks name: the well-behaved token's, with its incarnation."""
+    return pb.StreamActionsRequest(
+        engine_id="fenced-victim", incarnation=incarnation("real"), session_id="real-session"
+    )
+
+
+async def test_a_stream_as_another_engine_is_refused_and_fences_nobody(
+    intruded: Served, tmp_path: Path
+) -> None:
+    """Item 5 (the binding): another identity's StreamActions naming the real
+    engine with the issue's incarnation 9999999999999-zzzz, or with a newer
+    and plausible one, and its Connect hello, are PERMISSION_DENIED naming
+    the token, the engine and the line to change; a bare token (the older
+    format, all the shipped default had) acts for no engine, and the server
+    said so at start. The real engine is never fenced: its reconnect under
+    its own incarnation is admitted and its new handoff reaches it."""
+    line = f"on its line of token_file {tmp_path / 'tokens'}"
+    real, served = real_engine(), intruded
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        good_stub: Stub = pb_grpc.HandoffCoordinatorStub(good)
+        first = good_stub.StreamActions(real, metadata=bearer(TOKEN))
+        await first.initial_metadata()
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        for forged in ("9999999999999-zzzz", incarnation("newer", ahead_s=1.0)):
+            for token, name, its in (
+                (ATTACKER, "intruder", "intruder-0"),
+                (BARE, "token-3", "none"),
+            ):
+                request = pb.StreamActionsRequest(engine_id="fenced-victim", incarnation=forged)
+                assert await refusal(stub.StreamActions(request, metadata=bearer(token))) == (
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"stream: token {name} may not act for engine fenced-victim (its engines: "
+                    f"{its}): add fenced-victim to engines= {line}",
+                ), (forged, name)
+        hello = pb.ConnectHello(engine_id="fenced-victim", incarnation=incarnation("newer", 1.0))
+        connect = stub.Connect(hold_open(pb.ConnectRequest(hello=hello)), metadata=bearer(ATTACKER))
+        assert await refusal(connect) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "connect: token intruder may not act for engine fenced-victim (its engines: "
+            f"intruder-0): add fenced-victim to engines= {line}",
+        )
+        again = good_stub.StreamActions(real, metadata=bearer(TOKEN))  # a reconnect
+        await again.initial_metadata()
+        started = await good_stub.StartHandoff(victim_start(), metadata=bearer(TOKEN))
+        submit = await again.read()
+        assert isinstance(submit, pb.Action)
+        assert (submit.handoff_id, submit.kind) == (
+            started.handoff.handoff_id,
+            pb.ACTION_KIND_SUBMIT_PREFILL,
+        )
+        for stream in (first, again):
+            stream.cancel()
+        await client.completed_at_least(client.completed + MIN_COMPLETED)
+        assert_unharmed(client, served)
+        assert (
+            "token token-3 may call StreamActions, Connect and Reconcile (scope engine) but "
+            "names no engine, so each is refused: add engines=ID,... to its line of token_file"
+        ) in served.log_text()
+
+
+async def test_a_reconcile_as_another_engine_or_without_a_stream_frees_nothing(
+    intruded: Served, tmp_path: Path
+) -> None:
+    """Item 5 (Reconcile): another identity's Reconcile naming the real
+    engine, its freed list holding the real engine's handoff, is
+    PERMISSION_DENIED (it applied EngineLost before); as its own engine but
+    with no live stream, FAILED_PRECONDITION. The handoff goes on untouched,
+    and the real engine's own reconcile, from its live stream, keeps it."""
+    tokens = tmp_path / "tokens"
+    real, served = real_engine(), intruded
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        grpc.aio.insecure_channel(served.target) as good,
+        grpc.aio.insecure_channel(served.target) as bad,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        good_stub: Stub = pb_grpc.HandoffCoordinatorStub(good)
+        engine = good_stub.StreamActions(real, metadata=bearer(TOKEN))
+        await engine.initial_metadata()
+        handoff_id = (
+            await good_stub.StartHandoff(victim_start(), metadata=bearer(TOKEN))
+        ).handoff.handoff_id
+        submit = await engine.read()
+        assert isinstance(submit, pb.Action)
+        held = pb.ReportOutcomeRequest(
+            handoff_id=handoff_id, action_id=submit.id, outcome=SUBMITTED
+        )
+        before = (await good_stub.ReportOutcome(held, metadata=bearer(TOKEN))).handoff
+        freed = [pb.HeldSide(handoff_id=handoff_id, role=pb.ROLE_SOURCE)]
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(bad)
+        as_victim = pb.ReconcileRequest(
+            engine_id="fenced-victim",
+            incarnation=real.incarnation,
+            session_id=real.session_id,
+            freed=freed,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await stub.Reconcile(as_victim, metadata=bearer(ATTACKER))
+        assert (denied.value.code(), denied.value.details()) == (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "Reconcile: token intruder may not act for engine fenced-victim (its engines: "
+            f"intruder-0): add fenced-victim to engines= on its line of token_file {tokens}",
+        )
+        own = pb.ReconcileRequest(engine_id="intruder-0", freed=freed)
+        with pytest.raises(grpc.aio.AioRpcError) as streamless:
+            await stub.Reconcile(own, metadata=bearer(ATTACKER))
+        assert (streamless.value.code(), streamless.value.details()) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "Reconcile: engine intruder-0 has no live stream: Reconcile comes from the sidecar "
+            "holding its StreamActions or Connect stream, after that subscription",
+        )
+        lookup = pb.GetHandoffRequest(handoff_id=handoff_id)
+        after = (await good_stub.GetHandoff(lookup, metadata=bearer(TOKEN))).handoff
+        assert after == before
+        assert (after.phase, list(after.end_reasons)) == (pb.PHASE_ACTIVE, [])
+        as_itself = pb.ReconcileRequest(
+            engine_id="fenced-victim",
+            incarnation=real.incarnation,
+            session_id=real.session_id,
+            held=freed,
+        )
+        answer = await good_stub.Reconcile(as_itself, metadata=bearer(TOKEN))
+        assert (list(answer.releases), answer.lost_applied) == ([], 0)
+        engine.cancel()
+        await client.completed_at_least(client.completed + MIN_COMPLETED)
+        assert_unharmed(client, served)
+
+
+async def test_a_fenced_incarnation_s_reconcile_is_refused_under_mutual_tls(
+    tmp_path: Path,
+) -> None:
+    """Item 5 (mTLS): the prefill certificate's old incarnation, fenced out by
+    its new one, has its stream refused and now its Reconcile too
+    (FAILED_PRECONDITION naming the engine and both incarnations): the
+    handoff of the new incarnation it lists as freed goes on, and the new
+    incarnation's own reconcile is answered."""
+    pki = make_pki(tmp_path)
+    identities = tmp_path / "engines.json"
+    frontend_san = ["DNS:router.frontend"]  # the well-behaved client acts as both its engines
+    identities.write_text(
+        json.dumps(
+            {
+                "prefill-0": ["DNS:prefill-0.engines"],
+                "good-prefill": frontend_san,
+                "good-decode": frontend_san,
+            }
+        )
+    )
+    flags = (
+        *("--tls-cert", str(pki.server.cert_path), "--tls-key", str(pki.server.key_path)),
+        *("--tls-client-ca", str(pki.ca.cert_path), "--engine-identity-file", str(identities)),
+    )
+    old, new = incarnation("old", ahead_s=-1.0), incarnation("new")
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        serving(tmp_path, *flags) as served,
+        secure_channel(served.port, pki.ca.cert, pki.client) as good,
+        secure_channel(served.port, pki.ca.cert, pki.prefill) as prefill,
+        alongside(good) as client,
+    ):
+        await client.completed_at_least(MIN_COMPLETED)
+        engine: Stub = pb_grpc.HandoffCoordinatorStub(prefill)
+        streams = {
+            name: pb.StreamActionsRequest(
+                engine_id="prefill-0", incarnation=value, session_id=f"{name}-session"
+            )
+            for name, value in (("old", old), ("new", new))
+        }
+        first = engine.StreamActions(streams["old"])
+        await first.initial_metadata()
+        second = engine.StreamActions(streams["new"])
+        await second.initial_metadata()  # the old incarnation is fenced out
+        code, details = await refusal(engine.StreamActions(streams["old"]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"incarnation {old} is older than {new}" in details
+        handoff_id = (
+            await pb_grpc.HandoffCoordinatorStub(good).StartHandoff(
+                start_request("prefill-0", "good-decode")
+            )
+        ).handoff.handoff_id
+        submit = await second.read()
+        assert isinstance(submit, pb.Action)
+        held = pb.ReportOutcomeRequest(
+            handoff_id=handoff_id, action_id=submit.id, outcome=SUBMITTED
+        )
+        before = (await engine.ReportOutcome(held)).handoff
+        sides = [pb.HeldSide(handoff_id=handoff_id, role=pb.ROLE_SOURCE)]
+        fenced = pb.ReconcileRequest(
+            engine_id="prefill-0", incarnation=old, session_id="old-session", freed=sides
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await engine.Reconcile(fenced)
+        assert (refused.value.code(), refused.value.details()) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"Reconcile: engine prefill-0: Reconcile from incarnation {old} (an older one, "
+            f"fenced out), but its live stream is incarnation {new}: only the engine's "
+            "current subscription reconciles",
+        )
+        lookup = pb.GetHandoffRequest(handoff_id=handoff_id)
+        assert (await engine.GetHandoff(lookup)).handoff == before
+        current = pb.ReconcileRequest(
+            engine_id="prefill-0", incarnation=new, session_id="new-session", held=sides
+        )
+        answer = await engine.Reconcile(current)
+        assert (list(answer.releases), answer.lost_applied) == ([], 0)
+        for stream in (first, second):
+            stream.cancel()
         await client.completed_at_least(client.completed + MIN_COMPLETED)
         assert_unharmed(client, served)

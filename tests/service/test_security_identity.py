@@ -257,13 +257,16 @@ async def test_an_engine_reconciles_only_as_itself(callers: Callers) -> None:
         details = await denied(callers.prefill.Reconcile(as_decode))
         assert f"engine {DECODE}" in details
         assert await snapshot(callers.frontend, ours) == before
-        # As itself it may: its held source goes on.
+        # As itself, from its live stream, it may: its held source goes on.
+        stream = StreamRecorder(callers.prefill, PREFILL)
+        await stream.subscribed()
         held = pb.ReconcileRequest(
             engine_id=PREFILL, held=[pb.HeldSide(handoff_id=ours, role=pb.ROLE_SOURCE)]
         )
         answer = await callers.prefill.Reconcile(held)
         assert list(answer.releases) == []
         assert answer.lost_applied == 0
+        await stream.close()
 
 
 async def test_a_certificate_from_another_ca_cannot_claim_an_engine(

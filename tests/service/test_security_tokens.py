@@ -18,9 +18,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
+from handoff_server.domain.authorization import Binding
 from handoff_server.ops import config
 from handoff_server.ops.config import Settings
-from handoff_server.service import security
+from handoff_server.service import bindings, security
 from handoff_server.service.app import Server
 from handoff_server.service.security import SecurityConfigError, TokenSet
 from tests.support.rpc import DESTINATION, SOURCE
@@ -31,6 +32,7 @@ TIMEOUT_S = 10.0
 OLD = "old-token-0123456789abcdef"
 NEW = "new-token-fedcba9876543210"
 FROM_ENV = "env-token-aaaaaaaaaaaaaaaa"
+DENIED = grpc.StatusCode.PERMISSION_DENIED
 
 Metadata = Sequence[tuple[str, str]]
 
@@ -50,9 +52,13 @@ def start_request(handoff_id: str | None = None) -> pb.StartHandoffRequest:
 
 @pytest.fixture
 async def guarded(start_server: StartServer, tmp_path: Path) -> Server:
-    """Two tokens from a file (with a comment and blank lines), one from the variable."""
+    """Two tokens from a file (with a comment and blank lines), one from the
+    variable; only the named one acts for the engines (its engines= names them)."""
     token_file = tmp_path / "tokens"
-    token_file.write_text(f"# rotation in progress\n{OLD}\n\n{NEW}  # added today\n")
+    token_file.write_text(
+        f"# rotation in progress\n{OLD}\n\n"
+        f"new {NEW} engines={SOURCE},{DESTINATION}  # added today\n"
+    )
     return await start_server(token_file=str(token_file), tokens=FROM_ENV)
 
 
@@ -152,8 +158,10 @@ async def test_every_accepted_token_works_during_a_rotation(
             assert codes["StartHandoff"] is grpc.StatusCode.OK
             assert codes["ReportFact"] is grpc.StatusCode.OK  # canceled it
             assert codes["GetHandoff"] is grpc.StatusCode.OK
-            assert codes["StreamActions"] is grpc.StatusCode.CANCELLED
-            assert codes["Connect"] is grpc.StatusCode.CANCELLED
+            # A token that names no engine may act for none (docs/security.md).
+            streams = grpc.StatusCode.CANCELLED if token == NEW else DENIED
+            assert codes["StreamActions"] is streams, token
+            assert codes["Connect"] is streams, token
         # The scheme is case-insensitive (RFC 7235).
         stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
         await stub.StartHandoff(start_request(), metadata=(("authorization", f"bearer {NEW}"),))
@@ -280,6 +288,10 @@ def write_file(path: Path, text: str) -> str:
         ("", f"router {OLD} start,fly\n", "unknown scope fly"),
         ("", f"router {OLD}\nrouter {NEW}\n", "token names must differ: router"),
         ("", f"a/b {OLD}\n", "its name must be 1-64 characters"),
+        ("", f"p {OLD} engines=\n", "'' in engines= is not an engine id"),
+        ("", f"p {OLD} engine engines=a,b!\n", "'b!' in engines= is not an engine id"),
+        ("", f"p {OLD} engine engines=*p\n", "'\\*p' in engines= is not an engine id"),
+        ("", f"p {OLD} engine x engines=a\n", "expected NAME TOKEN .SCOPE,.... .engines=ID"),
     ],
 )
 async def test_unusable_tokens_stop_the_start(
@@ -330,13 +342,55 @@ async def test_a_named_token_may_call_only_what_its_scopes_allow(
     assert len(server.registry.handoffs) == 1
 
 
+def test_a_token_line_names_the_engines_its_holder_acts_for(tmp_path: Path) -> None:
+    """engines= after the scopes (or in their place): ids, prefixes ending in *,
+    or * alone; a line without it, and a bare token, act for no engine."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text(
+        f"fleet {OLD} engine,report engines=prefill-*,decode-0\n"
+        f"any {NEW} engines=*\n{FROM_ENV}\nrouter router-token-0123456789 start\n"
+    )
+    loaded = security.load_tokens(Settings(token_file=str(token_file)))
+    assert loaded is not None
+    fleet, anyone, bare, router = loaded.holders
+    assert fleet.scopes == {"engine", "report"}
+    assert [fleet.engines.covers(e) for e in ("prefill-7", "decode-0", "decode-1")] == [
+        True,
+        True,
+        False,
+    ]
+    assert anyone.scopes == security.ALL_SCOPES
+    assert anyone.engines.any_engine
+    for unbound in (bare, router):
+        assert unbound.engines == Binding()
+        assert not unbound.engines.engine
+    warnings = bindings.binding_warnings(loaded, None, mutual=False)
+    assert [w.split(" ", 2)[:2] for w in warnings] == [["token", "any"], ["token", "token-3"]]
+
+
+def test_a_caller_with_two_credentials_acts_where_both_let_it() -> None:
+    """A token and a certificate together: the engines both name, and an
+    engine's caller even where they name none in common."""
+    token = Binding.of(["prefill-*", "decode-0"])
+    certificate = Binding.of(["prefill-0", "decode-1"])
+    both = token & certificate
+    assert (both.ids, both.prefixes, both.engine) == (frozenset({"prefill-0"}), (), True)
+    assert (Binding.of(["p-*"]) & Binding.of(["p-1*"])).prefixes == ("p-1",)
+    assert not (Binding.of(["a"]) & Binding.of(["b"])).covers("a")
+    assert (Binding.of(["a"]) & Binding()).engine
+
+
 def test_the_token_file_in_the_docs_loads_with_its_names_and_scopes(tmp_path: Path) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text(docs_block("text"))
     loaded = security.load_tokens(Settings(token_file=str(token_file)))
     assert loaded is not None
     router = loaded.identify("rtr-7f3c9a1e5b2d4c6a8e0f")
-    assert router == security.Token("router", frozenset({"start", "report", "read"}))
+    where = f"token_file {token_file}"
+    assert router == security.Token("router", frozenset({"start", "report", "read"}), source=where)
+    prefill = loaded.identify("pf0-1a2b3c4d5e6f7a8b9c0d")
+    assert prefill is not None
+    assert prefill.engines == Binding.of(["prefill-0"])
     ops = loaded.identify("ops-00112233445566778899")
     assert ops is not None
     assert not ops.may_call("StartHandoff")

@@ -15,15 +15,17 @@ import importlib
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from handoff_proto.v1 import coordinator_pb2 as pb
@@ -193,12 +195,7 @@ class WellBehaved:
 
     async def run(self, until: asyncio.Event) -> None:
         stub: Stub = pb_grpc.HandoffCoordinatorStub(self.channel)
-        streams = [
-            stub.StreamActions(pb.StreamActionsRequest(engine_id=engine), metadata=self.metadata)
-            for engine in (self.source, self.destination)
-        ]
-        drains = [asyncio.create_task(_drain(stream)) for stream in streams]
-        try:
+        async with engine_streams(stub, (self.source, self.destination), self.metadata):
             while not until.is_set():
                 try:
                     async with asyncio.timeout(HANDOFF_WITHIN_S):
@@ -209,38 +206,62 @@ class WellBehaved:
                 except TimeoutError:
                     self.errors["SLOWER_THAN_HANDOFF_WITHIN_S"] += 1
                 self._progress.set()
-        finally:
-            for stream in streams:
-                stream.cancel()
-            await asyncio.gather(*drains, return_exceptions=True)
 
     async def _one(self, stub: Stub) -> None:
         started = await stub.StartHandoff(
             start_request(self.source, self.destination), metadata=self.metadata
         )
-        handoff_id = started.handoff.handoff_id
-        steps: Sequence[tuple[int, pb.Outcome] | pb.Fact] = (
-            (0, SUBMITTED),
-            HELD,
-            (1, ACCEPTED),
-            RESERVED,
-            (2, SCHEDULED),
-            TRANSFERRED,
-            (3, APPLIED),
-            (4, APPLIED),
-        )
-        handoff = started.handoff
-        for step in steps:
-            if isinstance(step, pb.Fact):
-                request = pb.ReportFactRequest(handoff_id=handoff_id, fact=step)
-                handoff = (await stub.ReportFact(request, metadata=self.metadata)).handoff
-            else:
-                action_id, outcome = step
-                report = pb.ReportOutcomeRequest(
-                    handoff_id=handoff_id, action_id=action_id, outcome=outcome
-                )
-                handoff = (await stub.ReportOutcome(report, metadata=self.metadata)).handoff
+        handoff = await finish(stub, started.handoff.handoff_id, self.metadata)
         assert handoff.completion == pb.COMPLETION_SUCCESS, handoff
+
+
+# Every report of a source-first handoff from its start to SUCCESS, in order.
+TO_SUCCESS: Sequence[tuple[int, pb.Outcome] | pb.Fact] = (
+    (0, SUBMITTED),
+    HELD,
+    (1, ACCEPTED),
+    RESERVED,
+    (2, SCHEDULED),
+    TRANSFERRED,
+    (3, APPLIED),
+    (4, APPLIED),
+)
+
+
+async def finish(stub: Stub, handoff_id: str, metadata: Metadata = ()) -> pb.Handoff:
+    """Report a started handoff through to its end, as its engines would; the
+    handoff as the last answer shows it."""
+    handoff = pb.Handoff()
+    for step in TO_SUCCESS:
+        if isinstance(step, pb.Fact):
+            request = pb.ReportFactRequest(handoff_id=handoff_id, fact=step)
+            handoff = (await stub.ReportFact(request, metadata=metadata)).handoff
+        else:
+            action_id, outcome = step
+            report = pb.ReportOutcomeRequest(
+                handoff_id=handoff_id, action_id=action_id, outcome=outcome
+            )
+            handoff = (await stub.ReportOutcome(report, metadata=metadata)).handoff
+    return handoff
+
+
+@contextlib.asynccontextmanager
+async def engine_streams(
+    stub: Stub, engine_ids: Sequence[str], metadata: Metadata = ()
+) -> AsyncIterator[None]:
+    """An action stream held (and read) for each engine for the block's
+    duration, so nothing waits for an absent engine."""
+    streams = [
+        stub.StreamActions(pb.StreamActionsRequest(engine_id=engine), metadata=metadata)
+        for engine in engine_ids
+    ]
+    drains = [asyncio.create_task(_drain(stream)) for stream in streams]
+    try:
+        yield
+    finally:
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*drains, return_exceptions=True)
 
 
 async def _drain(stream: grpc.aio.UnaryStreamCall[pb.StreamActionsRequest, pb.Action]) -> None:
@@ -323,3 +344,49 @@ async def attacker(
             return await loop.run_in_executor(pool, _run, function, *args)
 
         yield attack
+
+
+@contextlib.contextmanager
+def small_volume(path: Path, mib: int) -> Iterator[Path]:
+    """A tmpfs of ``mib`` MiB mounted at ``path`` for the block: a real file
+    system, which fills (ENOSPC) and reports its free space as any volume.
+
+    Mounting needs root (or CAP_SYS_ADMIN), as in the containers the tests
+    run in; without it the test is skipped, saying so: nothing a process
+    can do alone makes a volume full for another process (RLIMIT_FSIZE
+    fails writes with EFBIG and leaves statvfs as it was)."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a {mib} MiB tmpfs at {path} (needs root or CAP_SYS_ADMIN): "
+            f"{mounted.stderr.strip()}"
+        )
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def fill(volume: Path, leave_bytes: int = 0) -> Path:
+    """A file in ``volume`` that takes all its free space but ``leave_bytes``."""
+    filler = volume / f"filler-{uuid.uuid4().hex[:8]}"
+    usage = os.statvfs(volume)
+    size = usage.f_bavail * usage.f_frsize - leave_bytes
+    with filler.open("wb", buffering=0) as sink:
+        if size > 0:
+            os.posix_fallocate(sink.fileno(), 0, size)
+        if not leave_bytes:
+            # Whatever fallocate's rounding left, a page at a time, after it.
+            sink.seek(0, os.SEEK_END)
+            with contextlib.suppress(OSError):
+                while True:
+                    sink.write(b"\0" * usage.f_frsize)
+    if not leave_bytes:
+        assert os.statvfs(volume).f_bavail == 0, f"{volume} is not full"
+    return filler

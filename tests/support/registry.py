@@ -15,6 +15,8 @@ from handoff_server.domain.model import (
     Outcome,
     OutcomeKind,
     Phase,
+    Release,
+    Role,
     SourceHeld,
     TimingMode,
     TransferCompleted,
@@ -46,6 +48,17 @@ class Harness:
         subscription = self.registry.subscribe(engine_id, lambda: None)
         self.subscriptions[engine_id] = subscription
         return subscription
+
+    def reconcile(
+        self, engine_id: str, held: list[tuple[str, Role]], freed: list[tuple[str, Role]]
+    ) -> tuple[list[Release], int]:
+        """Reconcile as the engine's live stream, subscribing it first if it has none."""
+        live = self.subscriptions.get(engine_id)
+        if live is None or live.closed:
+            live = self.subscribe(engine_id)
+        return self.registry.reconcile(
+            engine_id, held, freed, incarnation=live.incarnation, session_id=live.session_id
+        )
 
     def drain(self, engine_id: str) -> list[Dispatch]:
         """What the engine's live stream would write now."""

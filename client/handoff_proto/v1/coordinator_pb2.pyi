@@ -1459,7 +1459,10 @@ class ReconcileRequest(_message.Message):
     HELD_FIELD_NUMBER: _builtins.int
     FREED_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
-    """The engine, its incarnation and sidecar session, as on its subscription."""
+    """The engine, its incarnation and sidecar session, as on its live
+    subscription: a Reconcile from any other (an older incarnation fenced
+    out, another session, no live stream) is FAILED_PRECONDITION.
+    """
     incarnation: _builtins.str
     session_id: _builtins.str
     @_builtins.property

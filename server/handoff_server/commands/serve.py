@@ -1,6 +1,8 @@
 """`handoff serve`: run the coordinator until SIGTERM or SIGINT, then drain and exit 0.
 
-A second SIGTERM or SIGINT during the drain (Ctrl-C again, or an impatient
+Another process holding the journal's write lock past
+--journal-busy-timeout-s drains the server the same way, and it then exits 1
+(docs/durability.md). A second SIGTERM or SIGINT during the drain (Ctrl-C again, or an impatient
 supervisor) exits at once with 128 + the signal's number, as a shell reports
 a process the signal killed; unfinished handoffs are left to the engines'
 own timeouts.
@@ -84,21 +86,22 @@ async def _serve(settings: config.Settings, shard: ShardIdentity) -> int:
     loop = asyncio.get_running_loop()
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
-    signaled = asyncio.create_task(stop.wait())
-    failed = asyncio.create_task(server.failed.wait())
-    await asyncio.wait((signaled, failed), return_when=asyncio.FIRST_COMPLETED)
-    signaled.cancel()
-    failed.cancel()
+    waits = [asyncio.create_task(event.wait()) for event in (stop, server.failed, server.held)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
     if server.failed.is_set():
         # Nothing more can be made durable, so nothing more may be answered:
         # exit at once, as a crash would; a restart recovers what was committed.
         log.critical("the journal failed; exiting without draining")
         return 1
-    log.info("signal received; shutting down")
+    held = server.held.is_set()  # the journal said by whom, and that it drains
+    if not held:
+        log.info("signal received; shutting down")
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, _exit_now, signum, server)
     await server.stop()
-    return 0
+    return 1 if held else 0
 
 
 def _exit_now(signum: int, server: Server) -> None:

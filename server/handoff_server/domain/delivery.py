@@ -257,6 +257,37 @@ class Delivery:
         channel.offline_since = now
         self._arm_offline_timers(channel, now)
 
+    def current(self, engine_id: str, incarnation: str, session_id: str) -> None:
+        """Raise :class:`FailedPrecondition` unless ``incarnation`` and ``session_id``
+        are those of ``engine_id``'s live stream.
+
+        A reconcile says what the engine's memory holds now, and frees or
+        loses sides on that word: only the sidecar holding the engine's live
+        stream knows it. A fenced incarnation (whose stream is refused), or a
+        caller with no stream at all, would free what the live engine uses.
+        """
+        channel = self._channels.get(engine_id)
+        live = channel.subscription if channel is not None else None
+        if live is None:
+            raise FailedPrecondition(
+                f"engine {engine_id} has no live stream: Reconcile comes from the sidecar "
+                "holding its StreamActions or Connect stream, after that subscription"
+            )
+        if incarnation != live.incarnation:
+            fenced = " (an older one, fenced out)" if incarnation < live.incarnation else ""
+            raise FailedPrecondition(
+                f"engine {engine_id}: Reconcile from incarnation {incarnation or '(none)'}"
+                f"{fenced}, but its live stream is incarnation {live.incarnation or '(none)'}: "
+                "only the engine's current subscription reconciles"
+            )
+        if session_id != live.session_id:
+            raise FailedPrecondition(
+                f"engine {engine_id}: Reconcile from session {short(session_id) or '(none)'}, "
+                f"but its live stream under incarnation {incarnation or '(none)'} is session "
+                f"{short(live.session_id) or '(none)'}: only the engine's current "
+                "subscription reconciles"
+            )
+
     def take(self, subscription: Subscription, limit: int = 256) -> list[Dispatch] | None:
         """Pop up to ``limit`` dispatches to write; None once the stream was replaced."""
         if subscription.closed:

@@ -283,7 +283,7 @@ class Retained:
         "_times",
     )
 
-    # Nothing is outstanding once complete; read by security.authorize_report.
+    # Nothing is outstanding once complete; read by bindings.authorize_report.
     routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
     abandoned_at: ClassVar[None] = None
 

@@ -339,9 +339,18 @@ class Registry:
         self.delivery.close_streams()
 
     def reconcile(
-        self, engine_id: str, held: Iterable[tuple[str, Role]], freed: Iterable[tuple[str, Role]]
+        self,
+        engine_id: str,
+        held: Iterable[tuple[str, Role]],
+        freed: Iterable[tuple[str, Role]],
+        *,
+        incarnation: str,
+        session_id: str,
     ) -> tuple[list[Release], int]:
         """What ``engine_id``'s sidecar should stop holding, after telling it what it freed.
+
+        Only from the engine's live stream (``incarnation`` and ``session_id``
+        as on it; Delivery.current), else FailedPrecondition and nothing changes.
 
         For each ``held`` side: a :class:`Release` when the engine should free
         it (see :class:`ReleaseReason`); the others go on. For each ``freed``
@@ -351,6 +360,7 @@ class Registry:
         how many EngineLost were reported. Freed sides are applied first, so
         a side both freed and held is answered as lost.
         """
+        self.delivery.current(engine_id, incarnation, session_id)
         now = self.clock()
         self.retention.expire(now)
         lost: dict[str, set[Role]] = {}

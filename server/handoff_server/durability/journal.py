@@ -37,6 +37,14 @@ Choices, and why:
   begins the WAL again). The WAL stays about that size. A batch of more
   than :data:`LOOP_BATCH_MAX` records also goes to the thread: the
   streaming path's batches are large, and the loop serves on meanwhile.
+- **Another writer waits off the loop.** SQLite's busy handler would sleep
+  inside the commit, on the event loop, while another process (someone's
+  ``sqlite3`` shell) holds a write transaction. Serving, the connection has
+  none: a commit that meets the lock gives up at once, and the writer tries
+  the same batch again after a pause while the loop serves on (answers
+  wait). Past ``journal_busy_timeout_s`` it says who holds the lock
+  (holders.py) and asks the server to drain; the drain's last commit waits
+  that long again at most.
 - **The barrier.** :meth:`Journal.durable` returns once everything appended
   so far is committed. Every place the server writes to the network awaits
   it first, so no answer, acknowledgement or action leaves before the
@@ -49,14 +57,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import math
 import os
 import sqlite3
-import stat
-import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +69,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from handoff_server.durability import statedir
+from handoff_server.durability import holders, statedir, statelock, torn
+from handoff_server.durability.statedir import JournalError as JournalError
+from handoff_server.durability.statedir import StateDirBusy as StateDirBusy
 
 log = logging.getLogger("handoff.journal")
 
@@ -78,7 +85,6 @@ log = logging.getLogger("handoff.journal")
 # has none, and reads as ended for an unspecified reason.
 FORMAT_VERSION = 3
 DATABASE = "journal.sqlite3"
-LOCK = "lock"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 READ_BATCH = 10_000
 # SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
@@ -88,6 +94,10 @@ WAL_CHECKPOINT_BYTES = 4 * 2**20
 # fsync: the hop is worth it when the loop would otherwise stop that long
 # (the streaming path's batches; unary calls commit a few at a time).
 LOOP_BATCH_MAX = 32
+# A commit that met another process's write lock is tried again after this,
+# doubling up to the most: a lock held for a moment costs a moment.
+BUSY_FIRST_PAUSE_S = 0.002
+BUSY_MAX_PAUSE_S = 0.1
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -105,14 +115,6 @@ CREATE TABLE IF NOT EXISTS engines (
 """
 
 
-class JournalError(Exception):
-    """The state dir cannot be used; the server must not start (exit 2)."""
-
-
-class StateDirBusy(JournalError):
-    pass
-
-
 class NewerFormat(JournalError):
     pass
 
@@ -120,6 +122,10 @@ class NewerFormat(JournalError):
 class JournalFailed(Exception):
     """A commit failed: what was appended may never be durable, so nothing
     built on it may be sent. The server stops; a restart recovers what was."""
+
+
+# What one commit writes: records in, departed handoffs out, engines' incarnations.
+Batch = tuple[list[tuple[int, str, float, str]], list[tuple[str, int]], dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +146,7 @@ class Journal:
         lock_fd: int,
         incarnation: int,
         next_seq: int,
+        busy_timeout_s: float = 5.0,
     ) -> None:
         self.state_dir = state_dir
         self.incarnation = incarnation  # this process's; larger than any before it
@@ -161,6 +168,14 @@ class Journal:
         self._writer: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.on_failure: Callable[[BaseException], None] = lambda error: None
+        # Another process held the write lock past busy_timeout_s: the server drains.
+        self.busy_timeout_s = busy_timeout_s
+        self.on_held: Callable[[str], None] = lambda reason: None
+        self._held = asyncio.Event()
+        # Bytes of the pages SQLite freed inside the database (space.py), measured
+        # after each commit only while the volume is short of room.
+        self._measure_reusable = False
+        self._reusable_bytes = _reusable_bytes(connection)
         self.commits = 0
         self.committed_items = 0
         self.checkpoints = 0
@@ -168,54 +183,58 @@ class Journal:
     # --- opening ------------------------------------------------------------
 
     @classmethod
-    def open(cls, state_dir: Path, durability: str = "normal") -> Journal:
+    def open(
+        cls, state_dir: Path, durability: str = "normal", busy_timeout_s: float = 5.0
+    ) -> Journal:
         """Lock ``state_dir``, open (or create) its journal, and take a new incarnation.
 
         A corrupt database is moved aside (kept for inspection) and the
         server starts empty: a coordinator that will not start serves no one.
+        A full volume, or another process writing the journal for longer
+        than ``busy_timeout_s``, is a :class:`JournalError` naming the setting.
         """
         problem = statedir.prepare(state_dir)
         if problem is not None:
             raise JournalError(problem)
         try:
-            lock_fd = _lock(state_dir)
+            lock_fd = statelock.lock(state_dir)
         except PermissionError as error:
-            raise JournalError(statedir.unwritable(state_dir, error)) from error
+            reason = error.strerror or str(error)
+            raise JournalError(statedir.unwritable(state_dir, reason)) from error
+        except OSError as error:
+            if error.errno in statedir.FULL_ERRNOS:
+                raise JournalError(statedir.full(state_dir)) from None
+            raise
+        path = state_dir / DATABASE
         try:
-            _private_dir(state_dir, lock_fd)
-            path = state_dir / DATABASE
-            _private_database(path)
-            _report_torn_tail(path)
+            if statedir.is_full(state_dir):
+                raise JournalError(statedir.full(state_dir))
+            statelock.make_private(state_dir, lock_fd)
+            statelock.private_database(path)
+            torn.report_torn_tail(path)
             try:
-                connection = _connect(path, durability)
+                connection = _connect(path, durability, busy_timeout_s)
             except sqlite3.OperationalError as error:
                 # Not the file's content (permissions, a full disk): keep it.
-                raise JournalError(f"cannot open {path}: {error}") from error
+                raise JournalError(_cannot_open(state_dir, error)) from None
             except sqlite3.DatabaseError as error:
                 _move_aside(path, str(error))
-                connection = _connect(path, durability)
-            version = connection.execute(
-                "SELECT value FROM meta WHERE key = 'format_version'"
-            ).fetchone()
-            if version is not None and int(version[0]) > FORMAT_VERSION:
+                connection = _connect(path, durability, busy_timeout_s)
+            try:
+                statelock.same_directory(state_dir, lock_fd)
+                incarnation, last = _take_incarnation(connection, path)
+                # Serving, a commit never waits inside SQLite (see the module's note).
+                connection.execute("PRAGMA busy_timeout=0")
+            except sqlite3.OperationalError as error:
                 connection.close()
-                raise NewerFormat(
-                    f"{path} was written in journal format {version[0]}, newer than this "
-                    f"server's {FORMAT_VERSION}: run the newer server, or move the state "
-                    "dir aside to start empty"
-                )
-            row = connection.execute("SELECT value FROM meta WHERE key = 'incarnation'").fetchone()
-            previous = int(row[0]) if row is not None else 0
-            incarnation = max(previous + 1, fresh_incarnation())
-            connection.execute(
-                "INSERT OR REPLACE INTO meta VALUES ('format_version', ?), ('incarnation', ?)",
-                (FORMAT_VERSION, incarnation),
-            )
-            last = connection.execute("SELECT max(seq) FROM records").fetchone()[0]
+                raise JournalError(_cannot_open(state_dir, error)) from None
+            except BaseException:
+                connection.close()
+                raise
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(state_dir, connection, lock_fd, incarnation, (last or 0) + 1)
+        return cls(state_dir, connection, lock_fd, incarnation, last + 1, busy_timeout_s)
 
     # --- reading (recovery) -------------------------------------------------
 
@@ -316,11 +335,7 @@ class Journal:
                     await asyncio.sleep(gathering)
                 self._wanted.clear()
                 reaching = self._appended
-                batch = self._take_batch()
-                if len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync():
-                    await loop.run_in_executor(self._executor, self._commit_checkpointing, *batch)
-                else:
-                    self._commit(*batch)
+                await self._commit_waiting(loop, self._take_batch())
                 last_commit = loop.time()
                 self.commits += 1
                 self.committed_items += reaching - self._committed
@@ -335,9 +350,61 @@ class Journal:
             self._progress.set()
             self.on_failure(error)
 
-    def _take_batch(
-        self,
-    ) -> tuple[list[tuple[int, str, float, str]], list[tuple[str, int]], dict[str, str]]:
+    async def _commit_waiting(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> None:
+        """Commit ``batch``: on the loop, or on the thread if it may fsync or is
+        large. While another process holds the write lock, the same batch is
+        tried again after a pause (the loop serves meanwhile); past
+        ``busy_timeout_s`` the server is asked to drain, and the writer goes on
+        trying, so a lock released during the drain still lets it end well."""
+        on_thread = len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync()
+        commit = self._commit_checkpointing if on_thread else self._commit
+        waiting_since: float | None = None
+        pause = BUSY_FIRST_PAUSE_S
+        while True:
+            try:
+                if on_thread:
+                    await loop.run_in_executor(self._executor, commit, *batch)
+                else:
+                    commit(*batch)
+                break
+            except sqlite3.OperationalError as error:
+                if error.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                    raise
+            commit = self._commit  # a checkpoint, if it was due, has run
+            now = loop.time()
+            if waiting_since is None:
+                waiting_since = now
+                log.warning(
+                    "journal commits wait: %s holds a write transaction on %s; calls are "
+                    "answered once it ends, or the server drains in %g s "
+                    "(journal_busy_timeout_s)",
+                    self._holder(),
+                    self.state_dir / DATABASE,
+                    self.busy_timeout_s,
+                )
+            elif not self._held.is_set() and now - waiting_since >= self.busy_timeout_s:
+                self._held.set()
+                reason = (
+                    f"the journal in --state-dir {self.state_dir} is held by {self._holder()}: "
+                    f"a commit waited {now - waiting_since:.1f} s for its write transaction "
+                    f"(journal_busy_timeout_s {self.busy_timeout_s:g}); draining the server: "
+                    "stop that process (reading the journal is harmless, writing it is not)"
+                )
+                log.error("%s", reason)
+                self.on_held(reason)
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, BUSY_MAX_PAUSE_S)
+        if waiting_since is not None:
+            self._held.clear()
+            log.warning(
+                "journal commits go on: the other process's write transaction ended after %.1f s",
+                loop.time() - waiting_since,
+            )
+
+    def _holder(self) -> str:
+        return holders.describe(holders.write_lock_holder(self.state_dir / DATABASE))
+
+    def _take_batch(self) -> Batch:
         batch = self._inserts, self._drops, self._engines
         self._inserts, self._drops, self._engines = [], [], {}
         return batch
@@ -395,9 +462,12 @@ class Journal:
         drops: list[tuple[str, int]],
         engines: dict[str, str],
     ) -> None:
-        """One transaction: the batch's records in, its departed handoffs' out."""
+        """One transaction: the batch's records in, its departed handoffs' out.
+
+        IMMEDIATE takes the write lock first: another writer's lock fails the
+        commit (SQLITE_BUSY) before any work, and the writer tries again."""
         db = self._db
-        db.execute("BEGIN")
+        db.execute("BEGIN IMMEDIATE")
         try:
             db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", inserts)
             if drops:
@@ -409,6 +479,16 @@ class Journal:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        if self._measure_reusable:
+            self._reusable_bytes = _reusable_bytes(db)
+
+    def reusable_bytes(self) -> int:
+        """Bytes of the pages SQLite freed inside the database, as last measured."""
+        return self._reusable_bytes
+
+    def measure_reusable(self, on: bool) -> None:
+        """Measure :meth:`reusable_bytes` after each commit (a query each), or stop."""
+        self._measure_reusable = on
 
     def commit_now(self) -> None:
         """Commit what is pending, synchronously (tools and tests without a writer)."""
@@ -422,7 +502,7 @@ class Journal:
             if self._writer is None:
                 self.commit_now()
             elif self._failure is None:
-                await self.durable()
+                await self._last_commit()
         finally:
             if self._writer is not None:
                 self._writer.cancel()
@@ -435,6 +515,30 @@ class Journal:
                 await asyncio.get_running_loop().run_in_executor(self._executor, self.close_now)
                 self._executor.shutdown()
                 self._executor = None
+
+    async def _last_commit(self) -> None:
+        """Until what is pending is committed; while another process holds the
+        write lock, ``busy_timeout_s`` more at most (then it is left uncommitted:
+        nothing built on it was sent, and a restart recovers what was committed)."""
+        durable = asyncio.ensure_future(self.durable())
+        held = asyncio.ensure_future(self._held.wait())
+        try:
+            await asyncio.wait((durable, held), return_when=asyncio.FIRST_COMPLETED)
+            if not durable.done():
+                await asyncio.wait((durable,), timeout=self.busy_timeout_s)
+            if durable.done():
+                durable.result()
+                return
+            log.error(
+                "the journal in --state-dir %s is still held by %s: %d calls are left "
+                "uncommitted, none of them answered; a restart recovers what was committed",
+                self.state_dir,
+                self._holder(),
+                self._appended - self._committed,
+            )
+        finally:
+            durable.cancel()
+            held.cancel()
 
     def close_now(self) -> None:
         """Release without committing (start failed, or after close)."""
@@ -451,96 +555,14 @@ def fresh_incarnation() -> int:
     return time.time_ns() // 1000
 
 
-def _lock(state_dir: Path) -> int:
-    """Hold ``state_dir`` for this process; a second server on it is refused.
-
-    The OS-level lock is on the directory itself, which holds the journal:
-    deleting or replacing the ``lock`` file cannot admit a second server.
-    That file only names the holder's pid, and is opened without following
-    a symlink (a planted link must not make the server overwrite its target)."""
-    try:
-        fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except PermissionError:
-        raise
-    except OSError as error:
-        raise JournalError(
-            f"--state-dir {state_dir} cannot be locked ({error.strerror}): it must be a "
-            f"directory, not a symlink to one; {statedir.FIX}"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        try:
-            holder = (state_dir / LOCK).read_text(errors="replace").strip()[:32] or "unknown"
-        except OSError:
-            holder = "unknown"
-        raise StateDirBusy(
-            f"state dir {state_dir} is in use by another handoff server (pid {holder}); "
-            "one server per state dir"
-        ) from None
-    try:
-        _write_private(state_dir / LOCK, f"{os.getpid()}\n".encode())
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _private_dir(state_dir: Path, fd: int) -> None:
-    """What the journal holds (engine ids, trace context) is the server's alone:
-    the state dir is 0700. One the server does not own (a volume's root, owned
-    by root with the pod's fsGroup) cannot be changed: said, not refused."""
-    try:
-        os.fchmod(fd, 0o700)
-    except PermissionError:
-        log.warning(
-            "state dir %s is not owned by uid %d: its mode is left as it is; point "
-            "--state-dir at a directory the server creates for it to be 0700",
-            state_dir,
-            os.geteuid(),
-        )
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Replace ``path``'s content, never through a symlink; the file is 0600."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except PermissionError:
-        raise  # the state dir is not writable: the caller says which setting fixes it
-    except OSError as error:
-        raise JournalError(f"{path}: not a regular file the server may write ({error})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise JournalError(f"{path}: not a regular file")
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
-
-
-def _private_database(path: Path) -> None:
-    """The database (and so its -wal and -shm, which SQLite creates with the
-    database's permissions) is 0600, and never a symlink."""
-    for name, create in ((path.name, os.O_CREAT), (path.name + "-wal", 0), (path.name + "-shm", 0)):
-        try:
-            fd = os.open(path.with_name(name), os.O_RDONLY | create | os.O_NOFOLLOW, 0o600)
-        except FileNotFoundError:
-            continue
-        except OSError as error:
-            raise JournalError(f"cannot open {path.with_name(name)}: {error}") from None
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.close(fd)
-
-
-def _connect(path: Path, durability: str) -> sqlite3.Connection:
+def _connect(path: Path, durability: str, busy_timeout_s: float = 5.0) -> sqlite3.Connection:
     # check_same_thread off: opened here, then used by the writer, on the
     # event loop or its thread, never both at once.
     # Autocommit: _commit opens and ends its transactions itself.
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    # The busy timeout holds for opening only (not serving yet): Journal.open.
+    connection = sqlite3.connect(
+        path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+    )
     try:
         connection.execute("PRAGMA journal_mode=WAL")
         connection.execute(f"PRAGMA synchronous={DURABILITY[durability]}")
@@ -557,6 +579,50 @@ def _connect(path: Path, durability: str) -> sqlite3.Connection:
     return connection
 
 
+def _take_incarnation(connection: sqlite3.Connection, path: Path) -> tuple[int, int]:
+    """Check the file's format, record a new incarnation; the incarnation and the last seq."""
+    version = connection.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+    if version is not None and int(version[0]) > FORMAT_VERSION:
+        raise NewerFormat(
+            f"{path} was written in journal format {version[0]}, newer than this "
+            f"server's {FORMAT_VERSION}: run the newer server, or move the state "
+            "dir aside to start empty"
+        )
+    row = connection.execute("SELECT value FROM meta WHERE key = 'incarnation'").fetchone()
+    previous = int(row[0]) if row is not None else 0
+    incarnation = max(previous + 1, fresh_incarnation())
+    connection.execute(
+        "INSERT OR REPLACE INTO meta VALUES ('format_version', ?), ('incarnation', ?)",
+        (FORMAT_VERSION, incarnation),
+    )
+    last = connection.execute("SELECT max(seq) FROM records").fetchone()[0]
+    return incarnation, last or 0
+
+
+def _reusable_bytes(connection: sqlite3.Connection) -> int:
+    """Bytes of the database's free pages, which SQLite fills before it grows the file."""
+    pages: int = connection.execute("PRAGMA freelist_count").fetchone()[0]
+    size: int = connection.execute("PRAGMA page_size").fetchone()[0]
+    return pages * size
+
+
+def _cannot_open(state_dir: Path, error: sqlite3.OperationalError) -> str:
+    """One line for an SQLite error at open that is not the file's content."""
+    path = state_dir / DATABASE
+    code = error.sqlite_errorcode & 0xFF
+    if code == sqlite3.SQLITE_FULL or statedir.is_full(state_dir):
+        return statedir.full(state_dir)
+    if code == sqlite3.SQLITE_BUSY:
+        return (
+            f"--state-dir {state_dir}: {path} is being written by "
+            f"{holders.describe(holders.write_lock_holder(path))}: stop that process, "
+            "then start again"
+        )
+    if code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM):
+        return statedir.unwritable(state_dir, str(error))
+    return f"--state-dir {state_dir}: cannot open {path} ({error}); {statedir.FIX}"
+
+
 def _move_aside(path: Path, reason: str) -> None:
     aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
     for suffix in ("", "-wal", "-shm"):
@@ -570,77 +636,3 @@ def _move_aside(path: Path, reason: str) -> None:
         reason,
         aside,
     )
-
-
-# --- torn tails ------------------------------------------------------------
-
-WAL_HEADER = struct.Struct(">IIIIIIII")
-FRAME_HEADER = struct.Struct(">IIIIII")
-
-
-def _report_torn_tail(path: Path) -> None:
-    """Log what SQLite is about to discard from the end of the WAL.
-
-    SQLite drops every WAL frame after the last one that commits a
-    transaction and passes its checksum chain (a write torn by a crash); it
-    does so silently. Scanning the same chain here says what was dropped. No
-    acknowledgement was ever built on it: nothing leaves before its commit.
-    """
-    wal = path.with_name(path.name + "-wal")
-    try:
-        data = wal.read_bytes()
-    except FileNotFoundError:
-        return
-    if len(data) < WAL_HEADER.size:
-        if data:
-            log.error("journal tail torn: a %d-byte WAL header is dropped", len(data))
-        return
-    magic, _, page_size, _, salt1, salt2, c1, c2 = WAL_HEADER.unpack_from(data)
-    if magic not in (0x377F0682, 0x377F0683):
-        return
-    word = "<" if magic == 0x377F0682 else ">"
-    s0, s1 = _checksum(data[:24], word, 0, 0)
-    if (s0, s1) != (c1, c2):
-        return  # an invalid header: SQLite ignores the whole file (nothing was committed)
-    frame = FRAME_HEADER.size + page_size
-    offset, committed_end, frames, whole = WAL_HEADER.size, WAL_HEADER.size, 0, 0
-    while offset + frame <= len(data):
-        _, commit_size, fsalt1, fsalt2, fc1, fc2 = FRAME_HEADER.unpack_from(data, offset)
-        if (fsalt1, fsalt2) != (salt1, salt2):
-            break  # a frame of an earlier pass over the file: the normal end
-        s0, s1 = _checksum(data[offset : offset + 8], word, s0, s1)
-        s0, s1 = _checksum(data[offset + FRAME_HEADER.size : offset + frame], word, s0, s1)
-        if (s0, s1) != (fc1, fc2):
-            break
-        frames += 1
-        offset += frame
-        if commit_size:
-            committed_end, whole = offset, frames
-    dropped_frames = frames - whole
-    # After the chain, frames of this pass (its salts, a bad checksum) are
-    # torn; frames of an earlier pass over the file are leftovers.
-    end_of_pass = offset
-    while end_of_pass + frame <= len(data):
-        _, _, fsalt1, fsalt2, _, _ = FRAME_HEADER.unpack_from(data, end_of_pass)
-        if (fsalt1, fsalt2) != (salt1, salt2):
-            break
-        dropped_frames += 1
-        end_of_pass += frame
-    partial = len(data) - end_of_pass if len(data) - end_of_pass < frame else 0
-    if dropped_frames or partial:
-        log.error(
-            "journal tail torn by a crash: %d WAL frames (%d bytes) after the last whole "
-            "transaction%s are dropped; they held calls never acknowledged",
-            dropped_frames,
-            end_of_pass + partial - committed_end,
-            f" and a partial frame of {partial} bytes" if partial else "",
-        )
-
-
-def _checksum(data: bytes, word: str, s0: int, s1: int) -> tuple[int, int]:
-    """SQLite's WAL checksum (https://sqlite.org/fileformat.html#checksum_algorithm)."""
-    values = struct.unpack(f"{word}{len(data) // 4}I", data)
-    for i in range(0, len(values), 2):
-        s0 = (s0 + values[i] + s1) & 0xFFFFFFFF
-        s1 = (s1 + values[i + 1] + s0) & 0xFFFFFFFF
-    return s0, s1

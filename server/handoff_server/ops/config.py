@@ -94,6 +94,18 @@ class Settings:
         "more calls (less CPU per call, up to this much more latency); an idle server "
         "commits at once; 0: commit as soon as the previous commit ends",
     )
+    journal_reserve_mib: int = _setting(
+        64,
+        "refuse new handoffs (RESOURCE_EXHAUSTED) while the state dir's volume has less "
+        "than this many MiB left for the journal, so the handoffs in flight can still be "
+        "journaled to their end; 0: never refuse (a full volume then stops the server)",
+    )
+    journal_busy_timeout_s: float = _setting(
+        5.0,
+        "a journal commit waits this long for another process's write transaction on the "
+        "journal (the event loop serves meanwhile), then the server drains and exits 1, "
+        "in seconds",
+    )
     # --- sharding (docs/sharding.md) --------------------------------------------
     shard_count: int = _setting(1, "coordinator shards in all; 1 is a single coordinator")
     shard_ordinal: int = _setting(
@@ -127,15 +139,16 @@ class Settings:
     token_file: str = _setting(
         "",
         "file of accepted bearer tokens, one per line: NAME TOKEN [SCOPE,...] "
-        "(docs/limits.md; a bare TOKEN still works; '#' starts a comment)",
+        "[engines=ID,...], the engines it may act for, none without (docs/limits.md; "
+        "a bare TOKEN still works, as a frontend's; '#' starts a comment)",
     )
     # Not in repr: Settings may be logged, and this holds secrets.
     tokens: str = field(
         default="",
         repr=False,
         metadata={
-            "help": "accepted bearer tokens, comma-separated; prefer the variable or "
-            "--token-file (a flag is visible in the process list)"
+            "help": "accepted bearer tokens, comma-separated, acting for no engine; prefer "
+            "the variable or --token-file (a flag is visible in the process list)"
         },
     )
     auth_exempt_methods: str = _setting(
@@ -253,8 +266,19 @@ class Settings:
         for name in ("max_retained", "max_active_handoffs", "max_queued_actions_per_engine"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        self._check_journal()
         self._check_shards()
         self._check_security()
+
+    def _check_journal(self) -> None:
+        if self.journal_reserve_mib != 0 and self.journal_reserve_mib < MIN_JOURNAL_RESERVE_MIB:
+            # The write-ahead log alone grows to 4 MiB between checkpoints.
+            raise ValueError(
+                f"journal_reserve_mib must be 0 (never refuse) or at least "
+                f"{MIN_JOURNAL_RESERVE_MIB}, got {self.journal_reserve_mib}"
+            )
+        if self.journal_busy_timeout_s == 0:
+            raise ValueError("journal_busy_timeout_s must be > 0")
 
     def _check_shards(self) -> None:
         """The shard identity that can be checked without the hostname (shards.py)."""
@@ -305,6 +329,8 @@ class Settings:
 
 
 MAX_PORT = 65535
+# Twice the journal's write-ahead log at its checkpoint size (journal.py).
+MIN_JOURNAL_RESERVE_MIB = 8
 # What Kubernetes puts in HANDOFF_PORT (and HANDOFF_PORT_50051_TCP, ...) for a
 # Service named "handoff" in the namespace, unless enableServiceLinks is off.
 SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)

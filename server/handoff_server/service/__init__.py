@@ -6,6 +6,8 @@
   streams (StreamActions, Connect); Connect's ack window.
 - ``guard``: the interceptor: tokens, undecodable input, call and stream limits.
 - ``security``: TLS material, bearer tokens and engine identities.
+- ``bindings``: which engines a call's caller may act for, from its token and
+  certificate; the checks the servicer calls.
 - ``quotas``: calls in flight, by kind and per caller.
 - ``probes``: grpc.health.v1 on a budget of its own.
 - ``exposition``: the ``/metrics`` endpoint on the event loop.

@@ -20,10 +20,11 @@ from handoff_server.domain.registry import Clock, Registry
 from handoff_server.durability.journal import Journal, fresh_incarnation
 from handoff_server.durability.records import JournalRecorder
 from handoff_server.durability.recovery import Recovery, ReplayClock, recover
+from handoff_server.durability.space import Headroom
 from handoff_server.ops import tracing
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import exposure, security
+from handoff_server.service import bindings, exposure, security
 from handoff_server.service.exposition import MetricsEndpoint
 from handoff_server.service.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
 from handoff_server.service.probes import HealthGate
@@ -85,6 +86,9 @@ class Server:
         self.incarnation = 0  # the coordinator's, new at each start (see _open_journal)
         # Set when the journal cannot be written: the process must stop (serve.py).
         self.failed = asyncio.Event()
+        # Set when another process holds the journal: the process must drain (serve.py).
+        self.held = asyncio.Event()
+        self.headroom: Headroom | None = None
         self.health = HealthServicer()
         self.port = 0
         self.metrics_port = 0
@@ -130,7 +134,9 @@ class Server:
                 "(--state-dir keeps them)"
             )
             return
-        journal = Journal.open(Path(settings.state_dir), settings.durability)
+        journal = Journal.open(
+            Path(settings.state_dir), settings.durability, settings.journal_busy_timeout_s
+        )
         try:
             self.recovery = recover(journal, self.registry, self._replay_clock)
         except BaseException:
@@ -140,7 +146,15 @@ class Server:
         self.incarnation = journal.incarnation
         self.registry.recorder = JournalRecorder(journal)
         journal.on_failure = lambda error: self.failed.set()
+        journal.on_held = lambda reason: self.held.set()
         journal.start_writer(settings.journal_commit_delay_ms / 1000)
+        self.headroom = Headroom(
+            journal.state_dir,
+            settings.journal_reserve_mib,
+            journal.reusable_bytes,
+            journal.measure_reusable,
+        )
+        self.headroom.report_at_start()
         log.info(
             "journal at %s (durability %s), coordinator incarnation %d",
             settings.state_dir,
@@ -156,8 +170,8 @@ class Server:
             ("handoff-delivery-timeout-ms", str(round(self.settings.delivery_timeout_s * 1000))),
             ("handoff-heartbeat-ms", str(round(self.settings.heartbeat_interval_s * 1000))),
         )
-        journal = self.journal
-        if journal is None:
+        journal, headroom = self.journal, self.headroom
+        if journal is None or headroom is None:
             return Servicer(
                 self.registry, self.metrics, subscription_headers=headers, shards=self.shards
             )
@@ -168,6 +182,7 @@ class Server:
             durable=journal.durable,
             subscription_headers=headers,
             engine_incarnation=journal.engine,
+            admit_start=headroom.check_start,
         )
 
     async def _serve(
@@ -257,6 +272,9 @@ class Server:
         if tokens is not None and credentials is None:
             log.warning("bearer tokens over plaintext can be read by anyone on the network path")
         exposure.warn_if_open(settings.host, tls=credentials is not None, tokens=bool(tokens))
+        mutual = bool(settings.tls_client_ca)
+        for warning in bindings.binding_warnings(tokens, identities, mutual=mutual):
+            log.warning("%s", warning)
 
     def _health_only_server(self) -> grpc.aio.Server:
         """The same health service on a plaintext port of its own, and nothing

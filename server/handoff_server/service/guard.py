@@ -7,8 +7,8 @@ see :mod:`handoff_server.service.probes`) it counts the call against
 
 - a request that does not decode gets INVALID_ARGUMENT (gRPC's own answer
   would be UNKNOWN, with the parser's exception in the message);
-- the caller's certificate identity is put in :data:`security.CALLER` for the
-  servicer's engine checks;
+- the caller's credentials (token, certificate) are put in
+  :data:`bindings.CALLER` for the servicer's engine checks;
 - at most ``max_engines`` engines hold a live stream (StreamActions or
   Connect); a new subscription for an engine that already has one replaces
   it in the registry and is always admitted.
@@ -31,7 +31,7 @@ import grpc
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import RPCS, Metrics
-from handoff_server.service import security
+from handoff_server.service import bindings, security
 from handoff_server.service.arrival import first_message
 from handoff_server.service.convert import ENGINE_ID
 from handoff_server.service.probes import SERVICE as HEALTH_SERVICE
@@ -213,8 +213,15 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
             )
         held = Held(slot, self._identity(context))
-        if self.identities is not None:
-            security.CALLER.set(security.Caller.of(self.identities, context.auth_context()))
+        caller = bindings.caller_of(
+            HOLDER.get(),
+            tokens=self.tokens is not None,
+            identities=self.identities,
+            mutual=self.client_certificates,
+            auth_context=context.auth_context,
+        )
+        if caller is not None:
+            bindings.CALLER.set(caller)
         if held.identity is not None:
             refusal = self.quotas.arrive(held.identity)
             if refusal is not None:

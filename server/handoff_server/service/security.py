@@ -3,9 +3,8 @@
 Loaded once when the server starts, from the settings' files and variables;
 a problem with any of them stops the start with a message naming the file.
 The checks themselves run in :mod:`handoff_server.service.guard` (tokens, before any
-handler) and in the servicer (engine identity, through :func:`authorize_engine`
-and :func:`authorize_report`, inside the same synchronous step that changes
-the handoff, so nothing can change between the check and the call).
+handler) and, for the engines a caller may act for (a token's ``engines=``,
+the identity file's), through :mod:`handoff_server.service.bindings`.
 """
 
 from __future__ import annotations
@@ -16,15 +15,12 @@ import json
 import re
 import ssl
 from collections.abc import Iterable, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from handoff_server.domain import authorization
-from handoff_server.domain.entries import Entry, Retained
-from handoff_server.domain.model import Fact, PermissionDenied
+from handoff_server.domain.authorization import UNBOUND, WILDCARD, Binding
 from handoff_server.ops.config import Settings
 from handoff_server.service.convert import ENGINE_ID
 
@@ -105,10 +101,14 @@ TOKEN_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 @dataclass(frozen=True, slots=True)
 class Token:
-    """Who presents an accepted token: its name (the caller's identity) and scopes."""
+    """Who presents an accepted token: its name (the caller's identity), its
+    scopes, the engines it may act for, and where it was given (for the
+    refusals' "what to change"): ``token_file PATH``, or ``tokens``."""
 
     name: str
     scopes: frozenset[str] = ALL_SCOPES
+    engines: Binding = UNBOUND
+    source: str = "tokens"
 
     def may_call(self, rpc: str) -> bool:
         """``rpc`` is a coordinator method name; other services' calls need ``read``."""
@@ -151,6 +151,10 @@ class TokenSet:
     def __len__(self) -> int:
         return len(self._digests)
 
+    @property
+    def holders(self) -> tuple[Token, ...]:
+        return tuple(who for _, who in self._digests)
+
     def identify(self, presented: str) -> Token | None:
         digest = hashlib.sha256(presented.encode()).digest()
         found = None
@@ -171,14 +175,36 @@ def _checked_token(token: str, where: str) -> str:
     return token
 
 
+ENGINES_FIELD = "engines="
+
+
+def _engines(field: str, where: str) -> Binding:
+    """``engines=ID,prefix*,...`` of a token's line; ``engines=*``: every engine."""
+    entries = field.removeprefix(ENGINES_FIELD).split(",")
+    for entry in entries:
+        bare = entry.removesuffix(WILDCARD)
+        if not (ENGINE_ID.fullmatch(bare) or (bare == "" and entry == WILDCARD)):
+            raise SecurityConfigError(
+                f"{where}: {entry[:40]!r} in engines= is not an engine id "
+                "(1-128 characters of [A-Za-z0-9._:-]), a prefix ending in *, or *"
+            )
+    return Binding.of(entries)
+
+
 def _token_line(fields: list[str], where: str, number: int) -> tuple[str, Token]:
-    """``TOKEN`` (the old format: named token-N, every scope), or ``NAME TOKEN [SCOPE,...]``."""
+    """``TOKEN`` (the old format: named token-N, every scope, no engine), or
+    ``NAME TOKEN [SCOPE,...] [engines=ID,...]``."""
+    source = where
     if len(fields) == 1:
-        return _checked_token(fields[0], f"{where}: token {number}"), Token(f"token-{number}")
+        secret = _checked_token(fields[0], f"{where}: token {number}")
+        return secret, Token(f"token-{number}", source=source)
+    engines = UNBOUND
+    if fields[-1].startswith(ENGINES_FIELD) and len(fields) > 2:
+        engines = _engines(fields.pop(), f"{where}: token {number} ({fields[0][:64]})")
     if len(fields) > 3:
         raise SecurityConfigError(
-            f"{where}: line of token {number}: expected NAME TOKEN [SCOPE,...], "
-            f"got {len(fields)} fields"
+            f"{where}: line of token {number}: expected NAME TOKEN [SCOPE,...] "
+            f"[engines=ID,...], got {len(fields) + (engines is not UNBOUND)} fields"
         )
     name = fields[0]
     if not TOKEN_NAME.fullmatch(name):
@@ -195,7 +221,7 @@ def _token_line(fields: list[str], where: str, number: int) -> tuple[str, Token]
                 f"{where}: token {number} ({name}): unknown scope {', '.join(sorted(unknown))} "
                 f"(known: {', '.join(sorted(ALL_SCOPES))})"
             )
-    return secret, Token(name, scopes)
+    return secret, Token(name, scopes, engines, source)
 
 
 def load_tokens(settings: Settings) -> TokenSet | None:
@@ -267,8 +293,11 @@ def typed_san(entry: str, where: str, engine_id: str) -> San:
 class EngineIdentities:
     """Which client-certificate SANs, by type, may act for which engine ids."""
 
-    def __init__(self, engines_by_san: Mapping[San, frozenset[str]]) -> None:
+    def __init__(
+        self, engines_by_san: Mapping[San, frozenset[str]], source: str = "engine_identity_file"
+    ) -> None:
         self._engines_by_san = dict(engines_by_san)
+        self.source = source  # "engine_identity_file PATH", named in refusals
 
     def __len__(self) -> int:
         return len({e for engines in self._engines_by_san.values() for e in engines})
@@ -307,7 +336,7 @@ class EngineIdentities:
                 )
             for san in sans:
                 by_san.setdefault(typed_san(san, where, engine_id), set()).add(engine_id)
-        return cls({san: frozenset(engines) for san, engines in by_san.items()})
+        return cls({san: frozenset(engines) for san, engines in by_san.items()}, where)
 
 
 def load_identities(settings: Settings) -> EngineIdentities | None:
@@ -316,29 +345,6 @@ def load_identities(settings: Settings) -> EngineIdentities | None:
     path = settings.engine_identity_file
     text = _read(path, "engine_identity_file").decode("utf-8", "replace")
     return EngineIdentities.parse(text, f"engine_identity_file {path}")
-
-
-@dataclass(frozen=True, slots=True)
-class Caller:
-    """The peer of one call, when engine identities are enforced."""
-
-    sans: tuple[San, ...]
-    engines: frozenset[str]  # empty: not an engine (a frontend)
-
-    @classmethod
-    def of(
-        cls, identities: EngineIdentities, auth_context: Mapping[str, Iterable[bytes]]
-    ) -> Caller:
-        sans = tuple(
-            (kind, value.decode("utf-8", "replace"))
-            for kind, name in SAN_PROPERTIES.items()
-            for value in auth_context.get(name, ())
-        )
-        return cls(sans, identities.engines_for(sans))
-
-    def __str__(self) -> str:
-        shown = ", ".join(f"{kind}:{value[:80]}" for kind, value in self.sans[:4]) or "no SAN"
-        return f"client certificate ({shown})"
 
 
 def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
@@ -356,28 +362,3 @@ def certificate_identity(auth_context: Mapping[str, Iterable[bytes]]) -> str | N
             der = pem
         return f"certificate sha256:{hashlib.sha256(der).hexdigest()}"
     return None
-
-
-# Set by the guard for every coordinator call when identities are enforced;
-# None means the server enforces none. Each call runs in its own task, and
-# the Connect report reader inherits its stream's value.
-CALLER: ContextVar[Caller | None] = ContextVar("handoff_caller", default=None)
-
-
-def authorize_engine(engine_id: str) -> str:
-    """For StreamActions, Connect and Reconcile: the caller may act as ``engine_id``."""
-    caller = CALLER.get()
-    if caller is not None and engine_id not in caller.engines:
-        raise PermissionDenied(f"{caller} may not act for engine {engine_id}")
-    return engine_id
-
-
-def authorize_report(
-    entry: Entry | Retained, *, fact: Fact | None = None, action_id: int | None = None
-) -> None:
-    """For ReportFact and ReportOutcome (also on Connect), before the registry
-    call: the rule is the domain's (domain/authorization.py), the caller's
-    engines are the certificate's."""
-    caller = CALLER.get()
-    if caller is not None:
-        authorization.check(str(caller), caller.engines, entry, fact=fact, action_id=action_id)

@@ -32,7 +32,7 @@ from handoff_server.domain.registry import CallResult, Registry
 from handoff_server.durability.journal import JournalFailed
 from handoff_server.ops.metrics import Metrics
 from handoff_server.ops.tracecontext import trace_context
-from handoff_server.service import convert, security
+from handoff_server.service import bindings, convert
 from handoff_server.service.guard import HOLDER
 from handoff_server.service.newcomers import Newcomers
 from handoff_server.service.shards import Misrouted, Shards
@@ -88,6 +88,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         subscription_headers: Sequence[tuple[str, str]] = (),
         engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
         shards: Shards | None = None,
+        admit_start: Callable[[], None] = lambda: None,
     ) -> None:
         self.registry = registry
         self.metrics = metrics
@@ -98,6 +99,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self._durable = durable
         self.subscription_headers = tuple(subscription_headers)
         self._engine_incarnation = engine_incarnation
+        # Raises (a domain error) when a new handoff must be refused: the
+        # journal's volume is short of room (durability/space.py).
+        self._admit_start = admit_start
         self.newcomers = Newcomers(registry.settings, metrics)
 
     async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
@@ -158,6 +162,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             known = start.handoff_id in self.registry.handoffs
             self.shards.check_start(start.handoff_id, known)
             if not known:
+                self._admit_start()
                 self.newcomers.check_start((start.source_engine_id, start.destination_engine_id))
             result = self.registry.start(start)
             answer = Answer.of(result)
@@ -212,17 +217,18 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.ReconcileRequest,
         context: grpc.aio.ServicerContext[pb.ReconcileRequest, pb.ReconcileResponse],
     ) -> pb.ReconcileResponse:
-        subject = f"engine {request.engine_id[:128]}"
+        subject = "Reconcile"  # every refusal below names the engine itself
         try:
-            engine_id = security.authorize_engine(convert.engine_id(request.engine_id))
-            convert.plausible_incarnation(
+            engine_id = bindings.authorize_engine(convert.engine_id(request.engine_id))
+            incarnation = convert.plausible_incarnation(
                 convert.incarnation(request.incarnation), self.registry.clock()
             )
-            convert.session_id(request.session_id)
             releases, lost_applied = self.registry.reconcile(
                 engine_id,
                 convert.held_sides(request.held, "held"),
                 convert.held_sides(request.freed, "freed"),
+                incarnation=incarnation,
+                session_id=convert.session_id(request.session_id),
             )
         except Exception as error:
             await self.refuse(context, "Reconcile", subject, error)
@@ -245,13 +251,13 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     def _report_fact(self, request: pb.ReportFactRequest) -> CallResult:
         handoff_id = convert.handoff_id(request.handoff_id)
         fact = convert.fact(request.fact)
-        security.authorize_report(self.registry.get(handoff_id), fact=fact)
+        bindings.authorize_report(self.registry.get(handoff_id), fact=fact)
         return self.registry.report_fact(handoff_id, fact, detail=convert.fact_text(request.fact))
 
     def _report_outcome(self, request: pb.ReportOutcomeRequest) -> CallResult:
         handoff_id = convert.handoff_id(request.handoff_id)
         outcome = convert.outcome(request.outcome)
-        security.authorize_report(self.registry.get(handoff_id), action_id=request.action_id)
+        bindings.authorize_report(self.registry.get(handoff_id), action_id=request.action_id)
         return self.registry.report_outcome(handoff_id, request.action_id, outcome)
 
     # --- streams --------------------------------------------------------------
@@ -288,7 +294,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self, engine_id: str, incarnation: str, session_id: str, on_ready: Callable[[], None]
     ) -> Subscription:
         subscription = self.registry.subscribe(
-            security.authorize_engine(convert.engine_id(engine_id)),
+            bindings.authorize_engine(convert.engine_id(engine_id)),
             on_ready,
             convert.plausible_incarnation(convert.incarnation(incarnation), self.registry.clock()),
             convert.session_id(session_id),
@@ -570,7 +576,7 @@ def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
         raise InvalidArgument("the first Connect message must be a hello naming the engine")
     if request.reports:
         raise InvalidArgument("the hello comes alone: reports follow it in later messages")
-    security.authorize_engine(convert.engine_id(request.hello.engine_id, "hello.engine_id"))
+    bindings.authorize_engine(convert.engine_id(request.hello.engine_id, "hello.engine_id"))
     return request.hello
 
 
