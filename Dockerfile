@@ -16,11 +16,16 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY deploy/constraints.txt ./deploy/
 COPY client ./client
 COPY server ./server
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[server,otel]"
+RUN pip wheel --no-cache-dir --wheel-dir /wheels --constraint deploy/constraints.txt ".[server,otel]"
 
 # ---- runtime: installs those wheels offline; no compilers, no build tools ---
+# The venv gets no pip and no setuptools (--without-pip; the base image's pip
+# installs into it), and the base image's own pip, setuptools and wheel are
+# removed once used: nothing at run time needs them, and the image's
+# setuptools is older than its fixed CVEs.
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="handoff" \
       org.opencontainers.image.description="gRPC coordinator for prefill-to-decode KV-cache handoffs" \
@@ -34,8 +39,11 @@ RUN groupadd --system --gid 10001 handoff \
     && useradd --system --no-log-init --uid 10001 --gid 10001 \
        --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin handoff
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python -m venv /opt/handoff \
-    && /opt/handoff/bin/pip install --no-cache-dir --no-index --find-links=/wheels "kv-handoff[server,otel]" \
+    --mount=type=bind,from=build,source=/src/deploy/constraints.txt,target=/constraints.txt \
+    python -m venv --without-pip /opt/handoff \
+    && pip install --no-cache-dir --no-index --find-links=/wheels --constraint /constraints.txt \
+       --python /opt/handoff/bin/python "kv-handoff[server,otel]" \
+    && pip uninstall --yes --no-cache-dir setuptools wheel pip \
     && install --directory --owner=10001 --group=10001 --mode=0700 /var/lib/handoff
 WORKDIR /opt/handoff
 # Numeric, so Kubernetes' runAsNonRoot can verify it without a passwd lookup.

@@ -19,6 +19,9 @@ PYTHON313 := $(firstword $(wildcard /usr/bin/python3.13 $(HOME)/.pyenv/versions/
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@# Python 3.11's venv brings setuptools 65.5, older than its fixed CVEs; the
+	@# editable install builds in an isolated env, so nothing here needs it.
+	$(BIN)/python -m pip uninstall --quiet --yes setuptools
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	$(BIN)/python -m handoff_server.commands.stubs --toolchain >/dev/null
 	touch $(STAMP)
@@ -37,6 +40,7 @@ test: lint
 
 $(SDK_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv --clear $(SDK_VENV)
+	$(SDK_VENV)/bin/python -m pip uninstall --quiet --yes setuptools
 	$(SDK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --only-binary=:all: \
 		grpcio==$(SDK_GRPCIO) protobuf==$(SDK_PROTOBUF) \
 		'pytest==9.*' pytest-asyncio==1.5.0 'pytest-timeout==2.*'

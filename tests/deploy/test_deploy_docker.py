@@ -9,6 +9,7 @@ image's HEALTHCHECK (on the plaintext health port) and exit 0 on SIGTERM.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
@@ -92,6 +94,12 @@ def test_the_image_is_built_as_the_issue_asks() -> None:
     # the install test below builds and installs the same extras.
     assert any('".[server,otel]"' in i for i in build)
     assert all('"kv-handoff[server,otel]"' in i for i in install)
+    # Every package pinned (deploy/constraints.txt), in the wheels and the install.
+    assert any("--constraint deploy/constraints.txt" in i for i in build)
+    assert all("--constraint /constraints.txt" in i for i in install)
+    # No pip or setuptools at run time: none in the venv, the base image's removed.
+    assert all("venv --without-pip" in i for i in install)
+    assert any("pip uninstall --yes" in i and "setuptools" in i for i in install)
     assert not any(re.search(r"apt-get|gcc|build-essential", i) for i in final)
     assert "ENV" in {i.split()[0] for i in final}
     assert "PYTHONUNBUFFERED=1" in text
@@ -188,14 +196,49 @@ def build_context(into: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     for *sources, destination in copies:
         for source in sources:
+            # Docker's rule: a file copied into a directory keeps its base name.
             target = (
-                into / destination / source if destination.endswith("/") else into / destination
+                into / destination / Path(source).name
+                if destination.endswith("/")
+                else into / destination
             )
             if (ROOT / source).is_dir():
                 shutil.copytree(ROOT / source, target, ignore=ignore)
             else:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / source, target)
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins(constraints: Path) -> set[tuple[str, str]]:
+    """(name, version) of each ``name==version`` line."""
+    found = set()
+    for line in constraints.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            found.add((canonical(name), version))
+    return found
+
+
+def wheel_pin(path: Path) -> tuple[str, str]:
+    name, version = path.name.split("-")[:2]
+    return canonical(name), version
+
+
+def test_the_image_s_constraints_repeat_the_server_pins() -> None:
+    """deploy/constraints.txt and pyproject.toml's server extra name the same versions."""
+    pinned = dict(pins(ROOT / "deploy" / "constraints.txt"))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for requirement in project["optional-dependencies"]["server"]:
+        name, version = requirement.split("==")
+        assert pinned[canonical(name)] == version, requirement
+    for requirement in project["optional-dependencies"]["otel"]:
+        name = re.split(r"[<>=!~ ]", requirement)[0]
+        assert canonical(name) in pinned, f"{name}: the image pins the otel extra too"
 
 
 def health(venv: Path, port: int, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -213,15 +256,30 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
     context, wheels, venv = tmp_path / "context", tmp_path / "wheels", tmp_path / "venv"
     build_context(context)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    # Build stage: RUN pip wheel --wheel-dir /wheels ".[server,otel]"
+    # Build stage: RUN pip wheel --wheel-dir /wheels --constraint deploy/constraints.txt
+    # ".[server,otel]"
+    constraints = context / "deploy" / "constraints.txt"
     subprocess.run(
-        [*pip, "wheel", "--wheel-dir", str(wheels), f"{context}[server,otel]"],
+        [
+            *pip,
+            "wheel",
+            "--wheel-dir",
+            str(wheels),
+            "--constraint",
+            str(constraints),
+            f"{context}[server,otel]",
+        ],
         check=True,
         timeout=180,
     )
     assert len(list(wheels.glob("kv_handoff-*.whl"))) == 1
-    # Final stage: python -m venv;
-    # pip install --no-index --find-links=/wheels "kv-handoff[server,otel]"
+    # Every wheel the image installs is one the constraints pin, and every pin is used.
+    built = {wheel_pin(path) for path in wheels.glob("*.whl")} - {
+        wheel_pin(next(wheels.glob("kv_handoff-*.whl")))
+    }
+    assert built == pins(constraints)
+    # Final stage: python -m venv --without-pip; pip install --no-index
+    # --find-links=/wheels --constraint /constraints.txt "kv-handoff[server,otel]"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run(
@@ -233,6 +291,8 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
             "--no-index",
             "--find-links",
             str(wheels),
+            "--constraint",
+            str(constraints),
             "kv-handoff[server,otel]",
         ],
         check=True,
@@ -250,6 +310,20 @@ def test_wheel_installs_into_a_fresh_venv_serves_and_drains_on_sigterm(tmp_path:
         cwd=tmp_path,
     )
     assert located.stdout.startswith(str(venv)), "the installed package, not the source tree"
+    # Nothing at run time needs pip or setuptools, and an old setuptools has CVEs.
+    absent = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; print([m for m in ('pip', 'setuptools', 'wheel') "
+            "if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert absent.stdout.strip() == "[]"
 
     # Configured as in the pod: HANDOFF_* variables only, TLS on, the ENTRYPOINT as is.
     (tmp_path / "pki").mkdir()
@@ -329,3 +403,13 @@ def tls_health(port: int, root: bytes) -> int:
         )
     status: int = response.status
     return status
+
+
+def test_the_venv_running_the_tests_has_no_setuptools_with_known_cves() -> None:
+    """make install removes Python 3.11's bundled setuptools (65.5); none, or one
+    at least as new as the fix of its latest CVE (78.1.1, CVE-2025-47273), is fine."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    assert tuple(int(part) for part in version.split(".")[:3]) >= (78, 1, 1), version
