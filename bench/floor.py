@@ -22,7 +22,7 @@ import grpc
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.commands.serve import loop_factory
-from handoff_server.service.servicer import reports_of
+from handoff_server.service.convert import reports_of
 
 SOURCE_FIRST = pb.HANDOFF_ORDER_SOURCE_FIRST
 Message = pb.Action | pb.ConnectResponse

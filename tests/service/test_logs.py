@@ -8,11 +8,13 @@ import logging
 from pathlib import Path
 
 import grpc
+import pytest
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
-from handoff_server.ops.logs import JsonFormatter, TextFormatter
+from handoff_server.ops.logs import JsonFormatter, NativeWindow, TextFormatter
 from tests.support.attack import serving
+from tests.support.fakes import FakeClock
 from tests.support.security import make_pki
 
 
@@ -36,6 +38,35 @@ def test_json_lines_carry_the_handoff_id() -> None:
 def test_text_lines_carry_the_engine_id() -> None:
     line = TextFormatter().format(record(engine_id="decode-3"))
     assert line.endswith("handoff.registry: deadline passed [engine_id=decode-3]")
+
+
+def test_what_a_peer_chose_is_logged_bounded_and_escaped() -> None:
+    """A 26 KB id with a newline and escape bytes: one line, cut at 1 KiB."""
+    chosen = "x\n2026-12-03 00:00:00 ERROR forged\x1b[31m" + "A" * 26_000
+    for formatter in (TextFormatter(), JsonFormatter()):
+        line = formatter.format(record(handoff_id=chosen))
+        assert "\n" not in line
+        assert "\x1b" not in line
+        assert len(line) < 1200
+        assert "more characters not logged" in line
+
+
+def test_the_core_s_lines_are_rate_limited_and_peer_errors_are_warnings(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock(1000.0)
+    window = NativeWindow(logging.getLogger("grpc.core"), clock)
+    peer = "E1203 07:01:47.741000    2162 hpack_parser.cc:1048] Error parsing ':scheme' metadata"
+    with caplog.at_level(logging.INFO, "grpc.core"):
+        for _ in range(50):
+            window.log(peer)
+        clock.now += 1.0
+        window.log("E1203 07:01:48.741000    2162 server.cc:12] a real error")
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.WARNING] * 20 + [logging.WARNING, logging.ERROR]
+    assert caplog.records[20].getMessage() == (
+        "30 more lines of gRPC's core not logged in the second after the first 20"
+    )
 
 
 async def test_grpc_s_own_lines_go_through_the_same_formatter(tmp_path: Path) -> None:

@@ -111,3 +111,26 @@ def test_what_is_held_never_exceeds_the_limit_and_all_of_it_is_returned(
             q.leave_call(identity)
     assert q.usage("a") is None
     assert q.usage("b") is None
+
+
+def test_calls_of_every_rpc_are_rate_limited_per_identity() -> None:
+    clock = FakeClock(1000.0)
+    q = Quotas(calls=100, active=2, starts_per_s=4.0, calls_per_s=3.0, clock=clock)
+    assert [q.arrive("a", "GetShardMap") for _ in range(3)] == [None] * 3
+    assert q.arrive("a", "Reconcile") == (
+        "a makes more than 3 calls per second (Reconcile refused), the limit per identity "
+        "(max_calls_per_s_per_identity)"
+    )
+    assert q.arrive("b", "Reconcile") is None  # another identity has its own allowance
+    clock.now += 1 / 3
+    assert q.arrive("a", "Reconcile") is None
+
+
+def test_connect_reports_past_their_rate_are_delayed_not_refused() -> None:
+    clock = FakeClock(1000.0)
+    q = Quotas(calls=100, active=2, starts_per_s=4.0, reports_per_s=100.0, clock=clock)
+    assert q.report_delay_s("a", 100) == 0.0  # a second's burst
+    assert q.report_delay_s("a", 50) == 0.5  # in debt: half a second until paid
+    assert q.report_delay_s("b", 50) == 0.0
+    clock.now += 0.5
+    assert q.report_delay_s("a", 10) == 0.1

@@ -16,8 +16,9 @@ import stat
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -34,6 +35,7 @@ from handoff_server.durability.recovery import ReplayClock, recover
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
 from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
+from tests.support import rawh2
 from tests.support.attack import (
     Metadata,
     Served,
@@ -65,13 +67,18 @@ GOOD = f"good {TOKEN} engines=good-*,fenced-victim"
 RSS_CEILING_MIB = 300.0
 # What the well-behaved client must manage while under attack, at the least.
 MIN_COMPLETED = 3
+# The well-behaved client is a frontend and both its engines on one token,
+# as fast as the server answers: ~1,400 calls a second here, past one
+# identity's default share (max_calls_per_s_per_identity, 1,000). The tests
+# of other limits raise it; item 11's test keeps the defaults.
+UNPACED = ("--max-calls-per-s-per-identity", "100000")
 
 
 @pytest.fixture
 async def served(tmp_path: Path) -> AsyncIterator[Served]:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{GOOD}\nattacker {ATTACKER} engines=bomber-*,flooder-*\n")
-    async with serving(tmp_path, "--token-file", str(tokens)) as served:
+    async with serving(tmp_path, "--token-file", str(tokens), *UNPACED) as served:
         yield served
 
 
@@ -237,7 +244,10 @@ async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
     the well-behaved client's calls queued in gRPC behind them past its 5 s.)"""
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{GOOD}\n{ATTACKER}\n")
-    flags = ("--token-file", str(tokens), "--max-concurrent-rpcs", "200", "--max-engines", "50")
+    flags = (
+        *("--token-file", str(tokens), "--max-concurrent-rpcs", "200", "--max-engines", "50"),
+        *UNPACED,
+    )
     async with (
         asyncio.timeout(TIMEOUT_S),
         serving(tmp_path, *flags) as served,
@@ -321,6 +331,7 @@ async def strict(tmp_path: Path) -> AsyncIterator[Served]:
         *("--max-starts-per-s-per-identity", "100"),
         *("--max-active-handoffs-per-identity", "300"),
         *("--max-calls-per-identity", "50"),
+        *UNPACED,
     )
     async with serving(tmp_path, *flags) as served:
         yield served
@@ -548,7 +559,7 @@ async def test_an_engine_token_cannot_report_over_connect(tmp_path: Path) -> Non
     tokens.write_text(f"{GOOD}\nengine-only {ATTACKER} engine engines=victim-src\n")
     async with (
         asyncio.timeout(TIMEOUT_S),
-        serving(tmp_path, "--token-file", str(tokens)) as served,
+        serving(tmp_path, "--token-file", str(tokens), *UNPACED) as served,
         grpc.aio.insecure_channel(served.target) as good,
         grpc.aio.insecure_channel(served.target) as bad,
         alongside(good, bearer(TOKEN)) as client,
@@ -797,6 +808,7 @@ async def test_calls_without_their_message_are_counted_when_they_arrive(tmp_path
         *("--token-file", str(tokens)),
         *("--max-calls-per-identity", "50"),
         *("--request-within-s", "1"),
+        *UNPACED,
     )
     probed: Counter[str] = Counter()
     until = asyncio.Event()
@@ -851,7 +863,7 @@ async def test_one_identity_cannot_take_every_engine_slot(tmp_path: Path) -> Non
     engine is admitted (the server-wide max_engines is far from reached)."""
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{GOOD}\nhoarder {ATTACKER} engine engines=hoarded-*\n")
-    flags = ("--token-file", str(tokens), "--max-engines-per-identity", "5")
+    flags = ("--token-file", str(tokens), "--max-engines-per-identity", "5", *UNPACED)
     async with (
         asyncio.timeout(TIMEOUT_S),
         serving(tmp_path, *flags) as served,
@@ -1282,3 +1294,230 @@ async def test_a_fenced_incarnation_s_reconcile_is_refused_under_mutual_tls(
             stream.cancel()
         await client.completed_at_least(client.completed + MIN_COMPLETED)
         assert_unharmed(client, served)
+
+
+# --- item 11: fair shares -------------------------------------------------------
+
+ZERO_ID = "00000000-0000-4000-8000-000000000000"
+
+
+async def paced_calls(target: str, rpc: str, per_s: float, seconds: float) -> Counter[str]:
+    """``rpc`` calls of the flooding token at ``per_s`` a second for ``seconds``,
+    each sent on time whatever the answers before it (run :func:`attacker`)."""
+    codes: Counter[str] = Counter()
+    loop = asyncio.get_running_loop()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        await channel.channel_ready()
+
+        async def one() -> None:
+            try:
+                if rpc == "StartHandoff":
+                    await stub.StartHandoff(
+                        start_request("flood-src", "flood-dst"), metadata=bearer(ATTACKER)
+                    )
+                else:
+                    await stub.GetShardMap(pb.GetShardMapRequest(), metadata=bearer(ATTACKER))
+                codes["OK"] += 1
+            except grpc.aio.AioRpcError as error:
+                codes[f"{error.code().name}: {error.details()}"] += 1
+
+        began, sent, calls = loop.time(), 0, []
+        while loop.time() < began + seconds:
+            await asyncio.sleep(max(0.0, began + sent / per_s - loop.time()))  # the pace
+            calls.append(asyncio.create_task(one()))
+            sent += 1
+        await asyncio.gather(*calls)
+    return codes
+
+
+async def paced_reports(target: str, per_s: float, seconds: float) -> int:
+    """One Connect stream of the flooding token sending messages of 128
+    duplicate reports, ``per_s`` reports a second for ``seconds``, reading its
+    acks; how many acks it read (run :func:`attacker`)."""
+    loop = asyncio.get_running_loop()
+    report = pb.ConnectReport(
+        fact=pb.ReportFactRequest(handoff_id=ZERO_ID, fact=pb.Fact(timed_out=pb.TimedOut()))
+    )
+    message = pb.ConnectRequest()
+    for _ in range(MAX_REPORTS_PER_MESSAGE):
+        message.reports.add().CopyFrom(report)
+    hello = pb.ConnectHello(engine_id="flood-engine", batch=True, lean_acks=True)
+    began = loop.time()
+
+    async def requests() -> AsyncIterator[pb.ConnectRequest]:
+        yield pb.ConnectRequest(hello=hello)
+        sent = 0
+        while loop.time() < began + seconds:
+            await asyncio.sleep(max(0.0, began + sent / per_s - loop.time()))  # the pace
+            yield message
+            sent += MAX_REPORTS_PER_MESSAGE
+
+    acks = 0
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+        async for response in stub.Connect(requests(), metadata=bearer(ATTACKER)):
+            acks += len(response.acks)
+    return acks
+
+
+async def test_floods_within_quota_leave_another_identity_its_rate(tmp_path: Path) -> None:
+    """Item 11: one token floods at its default per-identity rates, one kind
+    after another: StartHandoff at 200 a second, GetShardMap at 1,000 calls a
+    second, Connect messages of 128 duplicate reports at 2,000 reports a
+    second. A frontend with 40 handoffs a second of work (360 calls a second,
+    a third of what this server serves on its own core) under another token
+    keeps at least 90 % of the rate it had just before each flood; past its
+    quota the flooding token is refused, naming itself, the RPC and the
+    setting, and its reports are read more slowly.
+
+    Measured on the 2-core machine (server, test and attacker processes
+    sharing them), before the per-identity rates of every RPC: 0.91 of the rate
+    with GetShardMap at 250 a second, 0.82 at 500 (a frontend as fast as the
+    server answers); with them, the frontend with 40 handoffs a second of work
+    keeps 0.98 to 1.00 against each flood at its quota. A greedy frontend (no
+    pace) would measure only what the flood's share costs the whole server.
+    (A token sending far past its quota is still refused one call at a time,
+    each refusal a call's cost: bounded by the connections it may hold, not
+    by this test.)"""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{GOOD}\nflood {ATTACKER} start,engine,report,read engines=flood-*\n")
+    seconds = 3.0
+    async with (
+        asyncio.timeout(TIMEOUT_S * 2),
+        serving(tmp_path, "--token-file", str(tokens)) as served,
+        contextlib.AsyncExitStack() as stack,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN), per_s=40.0) as client,
+    ):
+        attack = await stack.enter_async_context(attacker())
+        await client.completed_at_least(MIN_COMPLETED)
+        floods: dict[str, Callable[[], Awaitable[Any]]] = {
+            "StartHandoff": lambda: attack(
+                paced_calls, served.target, "StartHandoff", 200, seconds
+            ),
+            "GetShardMap": lambda: attack(paced_calls, served.target, "GetShardMap", 1000, seconds),
+            "Connect": lambda: attack(paced_reports, served.target, 2000, seconds),
+        }
+        kept: dict[str, float] = {}
+        for rpc, flood in floods.items():
+            before = await rate(client, 1.5)
+            loop = asyncio.get_running_loop()
+            began, completed = loop.time(), client.completed
+            outcome = await flood()
+            kept[rpc] = (client.completed - completed) / (loop.time() - began) / before
+            if rpc == "Connect":
+                assert outcome >= 0.9 * 2000 * seconds, outcome  # at its quota, never refused
+            else:
+                assert set(outcome) == {"OK"}, outcome  # within its quota: never refused
+        assert min(kept.values()) >= 0.9, kept
+        # Past its quota: a second's burst more than the rate allows.
+        burst = await attack(paced_calls, served.target, "GetShardMap", 2500, 1.0)
+        assert burst["OK"] >= 1000, burst
+        assert set(burst) == {
+            "OK",
+            "RESOURCE_EXHAUSTED: token flood makes more than 1000 calls per second "
+            "(GetShardMap refused), the limit per identity (max_calls_per_s_per_identity)",
+        }, burst
+        acks = await attack(paced_reports, served.target, 8000, 0.5)
+        assert acks >= 3000, acks  # every report acknowledged, later
+        assert await metric(served, "handoff_reports_paced_total") > 0
+        assert_unharmed(client, served)
+
+
+async def reset_flood(port: int, seconds: float) -> int:
+    """Without a token, on one connection: streams opened and reset at once,
+    100 per write, for ``seconds``; how many (run :func:`attacker`)."""
+    loop = asyncio.get_running_loop()
+    block = rawh2.grpc_headers("/handoff.v1.HandoffCoordinator/GetShardMap")
+    cancel = rawh2.CANCEL.to_bytes(4, "big")
+    opened = 0
+    async with rawh2.connection("127.0.0.1", port) as connection:
+        until = loop.time() + seconds
+        while loop.time() < until:
+            burst = bytearray()
+            for _ in range(100):
+                stream = connection.stream_id()
+                burst += rawh2.frame(rawh2.HEADERS, rawh2.END_HEADERS, stream, block)
+                burst += rawh2.frame(rawh2.RST_STREAM, 0, stream, cancel)
+            try:
+                await connection.send(bytes(burst))
+            except ConnectionError:
+                break  # the server closed the connection: the flood is over
+            opened += 100
+            await asyncio.sleep(0)
+    return opened
+
+
+async def junk_headers(port: int, token: str) -> None:
+    """Calls whose headers carry 26 KB of attacker bytes, split over
+    CONTINUATION frames (in a header value, the token, a trace header), then
+    a header block that never ends (run :func:`attacker`)."""
+    junk = bytes(range(256)) * 100 + b"\n" * 100
+    path = "/handoff.v1.HandoffCoordinator/GetShardMap"
+    auth = ("authorization", f"Bearer {token}")
+    variants: list[list[tuple[str, str | bytes]]] = [
+        [auth, ("x-junk", junk)],
+        [("authorization", b"Bearer " + junk)],
+        [auth, ("traceparent", junk)],
+        [auth, ("x-junk" + "\xff" * 3, "v" * 26000)],
+    ]
+    for headers in variants:
+        block = rawh2.grpc_headers(path, *headers)
+        async with rawh2.connection("127.0.0.1", port) as connection:
+            stream = connection.stream_id()
+            chunks = [block[at : at + 4096] for at in range(0, len(block), 4096)]
+            frames = rawh2.frame(rawh2.HEADERS, 0, stream, chunks[0])
+            for number, chunk in enumerate(chunks[1:], 2):
+                last = rawh2.END_HEADERS if number == len(chunks) else 0
+                frames += rawh2.frame(rawh2.CONTINUATION, last, stream, chunk)
+            with contextlib.suppress(ConnectionError):
+                await connection.send(frames + rawh2.frame(0x0, rawh2.END_STREAM, stream, bytes(5)))
+                await asyncio.sleep(0.2)  # the server's answer, if any
+    async with rawh2.connection("127.0.0.1", port) as connection:
+        stream = connection.stream_id()
+        with contextlib.suppress(ConnectionError):
+            await connection.send(rawh2.frame(rawh2.HEADERS, 0, stream, rawh2.grpc_headers(path)))
+            for _ in range(400):  # 6.4 MB of header block, never ended
+                await connection.send(rawh2.frame(rawh2.CONTINUATION, 0, stream, junk[:16000]))
+
+
+async def test_reset_and_continuation_floods_leave_the_log_bounded(served: Served) -> None:
+    """Item 11, the transport: HTTP/2 rapid reset without a token (one
+    connection opening and resetting streams for 2 s), then CONTINUATION
+    floods and 26 KB of attacker bytes in headers. The server serves the
+    well-behaved client again within a few seconds, its memory stays
+    bounded, nothing is logged at ERROR or with a traceback, and no line of
+    its log is longer than a bounded record (the core's lines too).
+
+    Not asserted: the well-behaved client's rate during the reset flood.
+    Measured on the 2-core machine: about 1,000,000 streams opened and reset
+    in 3 s, the client at 0.3 handoffs a second against 140 to 160 before
+    (0.00), with gRPC's protections on (overload protection, 32 new streams
+    per read, a PING per 100 resets) and with max_concurrent_streams 100:
+    each reset stream still reaches the Python server, which handles as many
+    as its loop can take (2 s of CPU in 3 s on the main thread). A proxy in
+    front (per-connection stream rate), or the NetworkPolicy, is the answer
+    for now (docs/security.md)."""
+    async with (
+        asyncio.timeout(TIMEOUT_S),
+        contextlib.AsyncExitStack() as stack,
+        grpc.aio.insecure_channel(served.target) as good,
+        alongside(good, bearer(TOKEN)) as client,
+    ):
+        attack = await stack.enter_async_context(attacker())
+        await client.completed_at_least(MIN_COMPLETED)
+        opened = await attack(reset_flood, served.port, 2.0)
+        assert opened >= 10_000, opened
+        async with asyncio.timeout(10.0):
+            await client.completed_at_least(client.completed + MIN_COMPLETED)
+        await attack(junk_headers, served.port, TOKEN)
+        async with asyncio.timeout(10.0):
+            await client.completed_at_least(client.completed + MIN_COMPLETED)
+        assert_unharmed(client, served)
+    lines = served.log_text().splitlines()
+    longest = max(lines, key=len)
+    # A record's message and each field at most 1 KiB escaped, plus its time,
+    # level, logger and field names.
+    assert len(longest) < 2 * 1024 + 200, longest[:300]
+    assert all(line.isprintable() for line in lines)

@@ -176,11 +176,14 @@ class WellBehaved:
 
     The engines hold action streams (so nothing waits for an absent engine);
     the reports go over the unary calls. ``completed`` counts handoffs that
-    reached SUCCESS, ``errors`` every call that failed, by code.
+    reached SUCCESS, ``errors`` every call that failed, by code. With ``per_s``
+    it starts at most that many handoffs a second, as a frontend with that much
+    work does; without, one after another as fast as the server answers.
     """
 
     channel: grpc.aio.Channel
     metadata: Metadata = ()
+    per_s: float | None = None
     source: str = "good-prefill"
     destination: str = "good-decode"
     completed: int = 0
@@ -195,8 +198,14 @@ class WellBehaved:
 
     async def run(self, until: asyncio.Event) -> None:
         stub: Stub = pb_grpc.HandoffCoordinatorStub(self.channel)
+        loop = asyncio.get_running_loop()
+        began, started = loop.time(), 0
         async with engine_streams(stub, (self.source, self.destination), self.metadata):
             while not until.is_set():
+                if self.per_s is not None:
+                    started += 1
+                    # The frontend's own pace, not a wait for an event.
+                    await asyncio.sleep(max(0.0, began + started / self.per_s - loop.time()))
                 try:
                     async with asyncio.timeout(HANDOFF_WITHIN_S):
                         await self._one(stub)
@@ -272,10 +281,10 @@ async def _drain(stream: grpc.aio.UnaryStreamCall[pb.StreamActionsRequest, pb.Ac
 
 @contextlib.asynccontextmanager
 async def alongside(
-    channel: grpc.aio.Channel, metadata: Metadata = ()
+    channel: grpc.aio.Channel, metadata: Metadata = (), per_s: float | None = None
 ) -> AsyncIterator[WellBehaved]:
     """A :class:`WellBehaved` client running for the block's duration."""
-    client = WellBehaved(channel, metadata)
+    client = WellBehaved(channel, metadata, per_s)
     until = asyncio.Event()
     task = asyncio.create_task(client.run(until))
     try:

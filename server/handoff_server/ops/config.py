@@ -203,7 +203,19 @@ class Settings:
         20_000, "handoffs not yet complete that one caller identity started, at most"
     )
     max_starts_per_s_per_identity: float = _setting(
-        1000.0, "StartHandoff calls per second per caller identity (bursts of one second's worth)"
+        200.0,
+        "StartHandoff calls per second per caller identity (bursts of one second's worth); "
+        "about half of what one shard serves (docs/limits.md)",
+    )
+    max_calls_per_s_per_identity: float = _setting(
+        1000.0,
+        "calls of any RPC per second per caller identity, counted as they arrive (bursts of "
+        "one second's worth); about two thirds of the unary calls one shard serves",
+    )
+    max_reports_per_s_per_identity: float = _setting(
+        2000.0,
+        "reports carried by Connect messages per second per caller identity (bursts of one "
+        "second's worth); past it the identity's streams are read more slowly",
     )
     max_health_checks: int = _setting(
         32, "health Check calls in flight per port, apart from the service's calls"
@@ -319,9 +331,13 @@ class Settings:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if self.engine_identity_file and not self.tls_client_ca:
             raise ValueError("engine_identity_file needs mutual TLS (tls_client_ca)")
-        if self.max_starts_per_s_per_identity == 0:
-            raise ValueError("max_starts_per_s_per_identity must be > 0")
-        for name in ("request_within_s", "health_request_within_s"):
+        for name in (
+            "max_starts_per_s_per_identity",
+            "max_calls_per_s_per_identity",
+            "max_reports_per_s_per_identity",
+            "request_within_s",
+            "health_request_within_s",
+        ):
             if getattr(self, name) == 0:
                 raise ValueError(f"{name} must be > 0")
         if self.keepalive_time_s == 0 or self.keepalive_timeout_s == 0:

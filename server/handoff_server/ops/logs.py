@@ -1,4 +1,10 @@
-"""Structured logs: every record can carry handoff_id / engine_id, as text or JSON."""
+"""Structured logs: every record can carry handoff_id / engine_id, as text or JSON.
+
+Whatever a record says is bounded and escaped before it is written (see
+:func:`bounded`): a message, a context field or a traceback can carry bytes a
+peer chose (a header, an id), and one line must never become a peer's
+megabyte nor forge a line of its own.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +14,56 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, TextIO
 
 # Context fields handlers attach with `extra=`; rendered when present.
 CONTEXT_FIELDS = ("handoff_id", "engine_id", "subject")
 
 
+# A record's message, and each context field, at most this many characters
+# once escaped; a traceback at most MAX_TRACEBACK_CHARS.
+MAX_MESSAGE_CHARS = 1024
+MAX_TRACEBACK_CHARS = 8192
+# Control characters (a newline would start a forged line), and whatever
+# could not be decoded: shown escaped, as Python writes them in a literal.
+UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff\ufffd]")
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS, *, lines: bool = False) -> str:
+    """``text`` safe to log: control characters escaped (newlines kept with
+    ``lines``, for a traceback), at most ``limit`` characters, saying how many
+    more there were."""
+
+    def escape(match: re.Match[str]) -> str:
+        char = match[0]
+        if lines and char == "\n":
+            return char
+        return char.encode("unicode_escape", "backslashreplace").decode("ascii")
+
+    shown = UNPRINTABLE.sub(escape, text[: limit + 1])
+    if len(shown) <= limit and len(text) <= limit:
+        return shown
+    return f"{shown[:limit]}... ({len(text) - limit} more characters not logged)"
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = bounded(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return bounded(super().formatException(ei), MAX_TRACEBACK_CHARS, lines=True)
+
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         context = " ".join(
-            f"{name}={getattr(record, name)}" for name in CONTEXT_FIELDS if hasattr(record, name)
+            f"{name}={bounded(str(getattr(record, name)))}"
+            for name in CONTEXT_FIELDS
+            if hasattr(record, name)
         )
         return f"{line} [{context}]" if context else line
 
@@ -32,13 +74,15 @@ class JsonFormatter(logging.Formatter):
             "time": self.formatTime(record),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": bounded(record.getMessage()),
         }
         for name in CONTEXT_FIELDS:
             if hasattr(record, name):
-                document[name] = getattr(record, name)
+                document[name] = bounded(str(getattr(record, name)))
         if record.exc_info:
-            document["exception"] = self.formatException(record.exc_info)
+            document["exception"] = bounded(
+                self.formatException(record.exc_info), MAX_TRACEBACK_CHARS, lines=True
+            )
         return json.dumps(document)
 
 
@@ -71,18 +115,63 @@ def _capture_native_stderr() -> TextIO:
     return real
 
 
+# The core's sources that parse what a peer sent (HPACK, HTTP/2 frames):
+# their complaints are logged at WARNING at most.
+PEER_INPUT = ("hpack_parser.cc", "hpack_parse_result.cc", "parsing.cc", "frame_")
+# Lines of gRPC's C core logged per second at most: a peer that makes the
+# core complain on every frame must not make the log its megaphone. The rest
+# of the second is counted, in one line when it is over.
+NATIVE_LINES_PER_S = 20
+# What one native line may weigh as read; the rest of the line is skipped.
+NATIVE_LINE_BYTES = 4 * MAX_MESSAGE_CHARS
+
+
 def _relay(read_fd: int) -> None:
     logger = logging.getLogger("grpc.core")
-    with os.fdopen(read_fd, "r", encoding="utf-8", errors="replace") as lines:
-        for line in lines:
-            text = line.rstrip()
-            if not text:
-                continue
-            match = NATIVE_LINE.fullmatch(text)
-            if match is None:
-                logger.warning("%s", text)
-            else:
-                logger.log(NATIVE_LEVELS[match[1]], "%s (%s)", match[3], match[2])
+    window = NativeWindow(logger, time.monotonic)
+    with os.fdopen(read_fd, "rb") as native:
+        while raw := native.readline(NATIVE_LINE_BYTES):
+            cut = not raw.endswith(b"\n")
+            while cut and (rest := native.readline(NATIVE_LINE_BYTES)):
+                cut = not rest.endswith(b"\n")  # the rest of a line too long, unread
+            window.log(raw.decode("utf-8", "replace").rstrip())
+
+
+class NativeWindow:
+    """gRPC core's lines as records, at most NATIVE_LINES_PER_S a second."""
+
+    def __init__(self, logger: logging.Logger, clock: Any) -> None:
+        self.logger = logger
+        self.clock = clock
+        self.opened_at = clock()
+        self.logged = 0
+        self.dropped = 0
+
+    def log(self, text: str) -> None:
+        if not text:
+            return
+        now = self.clock()
+        if now - self.opened_at >= 1.0:
+            if self.dropped:
+                self.logger.warning(
+                    "%d more lines of gRPC's core not logged in the second after the first %d",
+                    self.dropped,
+                    NATIVE_LINES_PER_S,
+                )
+            self.opened_at, self.logged, self.dropped = now, 0, 0
+        if self.logged >= NATIVE_LINES_PER_S:
+            self.dropped += 1
+            return
+        self.logged += 1
+        match = NATIVE_LINE.fullmatch(text)
+        if match is None:
+            self.logger.warning("%s", text)
+            return
+        level = NATIVE_LEVELS[match[1]]
+        if match[2].startswith(PEER_INPUT):
+            # A peer's malformed HTTP/2 is the peer's error, not the server's.
+            level = min(level, logging.WARNING)
+        self.logger.log(level, "%s (%s)", match[3], match[2])
 
 
 class BurstLog:

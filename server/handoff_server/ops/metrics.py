@@ -146,6 +146,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.reports_paced = Counter(
+            "handoff_reports_paced",
+            "Connect messages held back because their caller identity reached its rate of "
+            "reports (--max-reports-per-s-per-identity): its streams are read more slowly.",
+            registry=r,
+        )
         self.unknown_engine_starts = Counter(
             "handoff_unknown_engine_starts",
             "StartHandoff calls naming an engine that has not subscribed to this server "

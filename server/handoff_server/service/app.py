@@ -100,6 +100,8 @@ class Server:
             engines=settings.max_engines_per_identity,
             active=settings.max_active_handoffs_per_identity,
             starts_per_s=settings.max_starts_per_s_per_identity,
+            calls_per_s=settings.max_calls_per_s_per_identity,
+            reports_per_s=settings.max_reports_per_s_per_identity,
             clock=self.clock,
         )
         self.registry.on_finished(self.quotas.finished)

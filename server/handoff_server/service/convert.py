@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.domain.delivery import Dispatch
@@ -373,3 +373,22 @@ def release(release: Release) -> pb.Release:
         role=ROLES[release.role],
         reason=RELEASE_REASONS[release.reason],
     )
+
+
+# Reports in one Connect message at most: all of a message's reports are
+# answered before any of their acks can be written, so this also bounds what
+# one message can make the server queue. A message with more is refused whole.
+MAX_REPORTS_PER_MESSAGE = 128
+
+
+def reports_of(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
+    """The reports in one Connect message after the hello, in order; one ack is owed each.
+
+    The message's own kind counts as a report even when it is not one (a
+    second hello, nothing at all), so that it is acknowledged with an error
+    rather than ignored; unless the message only carries ``reports``.
+    """
+    batch = request.reports
+    if batch and request.WhichOneof("kind") is None:
+        return batch  # the field itself: counting it makes no wrapper per report
+    return [request, *batch]

@@ -19,6 +19,7 @@ slow down (its ack window, ``Owed``): the guard does only what every call needs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -31,9 +32,8 @@ import grpc
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import RPCS, Metrics
-from handoff_server.service import bindings, security
+from handoff_server.service import bindings, convert, security
 from handoff_server.service.arrival import first_message
-from handoff_server.service.convert import ENGINE_ID
 from handoff_server.service.probes import SERVICE as HEALTH_SERVICE
 from handoff_server.service.quotas import Budget, Quotas, Slot
 from handoff_server.service.security import EngineIdentities, Token, TokenSet
@@ -75,6 +75,16 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
             "grpc.http2.min_ping_interval_without_data_ms",
             round(settings.keepalive_min_client_interval_s * 1000),
         ),
+        # HTTP/2 rapid reset (CVE-2023-44487): a stream the peer resets keeps
+        # counting against max_concurrent_streams until the server is done with
+        # it, so one connection cannot open streams faster than they are
+        # served; at most 32 new streams are taken per read of a connection,
+        # and every 100th RST_STREAM is answered with a PING, so a peer that
+        # stops reading is paused. These are gRPC's defaults in this version,
+        # set here so that no upgrade turns them off unnoticed.
+        ("grpc.http.overload_protection", 1),
+        ("grpc.http2.max_requests_per_read", 32),
+        ("grpc.http2.ping_on_rst_stream_percent", 1),
     ]
     if settings.max_connection_age_s > 0:
         options += [
@@ -223,7 +233,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if caller is not None:
             bindings.CALLER.set(caller)
         if held.identity is not None:
-            refusal = self.quotas.arrive(held.identity)
+            refusal = self.quotas.arrive(held.identity, rpc)
             if refusal is not None:
                 slot.leave()
                 await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
@@ -359,7 +369,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     async def _admit(self, rpc: str, context: Context, engine_id: str) -> str | None:
         """Count a stream for a well-formed engine id (a malformed one is the
         servicer's to refuse); None when there is nothing to count."""
-        if not ENGINE_ID.fullmatch(engine_id):
+        if not convert.ENGINE_ID.fullmatch(engine_id):
             return None
         if not self.streams.admit(engine_id):
             await self._refuse(
@@ -371,6 +381,19 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             )
         return engine_id
 
+    async def _pace(self, held: Held, request: Any) -> None:
+        """Hold a Connect message back until its identity may send its reports
+        (max_reports_per_s_per_identity): the stream is read more slowly, which
+        costs the server nothing, where refused reports would be sent again."""
+        if held.identity is None:
+            return
+        # A message past the cap is refused whole, unread: it costs one message.
+        reports = min(len(convert.reports_of(request)), convert.MAX_REPORTS_PER_MESSAGE)
+        delay = self.quotas.report_delay_s(held.identity, reports)
+        if delay > 0:
+            self.metrics.reports_paced.inc()
+            await asyncio.sleep(delay)  # the identity's rate, not a wait for an event
+
     def _stream_actions(
         self, rpc: str, inner: Callable[[Any, Context], AsyncGenerator[Any, None]], undecodable: str
     ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
@@ -381,7 +404,9 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 if isinstance(request, Undecodable):
                     code = grpc.StatusCode.INVALID_ARGUMENT
                     await self._refuse(rpc, context, code, undecodable)
-                named = request.engine_id if ENGINE_ID.fullmatch(request.engine_id) else None
+                named = (
+                    request.engine_id if convert.ENGINE_ID.fullmatch(request.engine_id) else None
+                )
                 await self._hold(rpc, context, held, named)
                 engine_id = await self._admit(rpc, context, request.engine_id)
                 try:
@@ -422,7 +447,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 await self._refuse(rpc, context, grpc.StatusCode.INVALID_ARGUMENT, undecodable)
             engine_id = None
             if first.WhichOneof("kind") == "hello":
-                if ENGINE_ID.fullmatch(first.hello.engine_id):
+                if convert.ENGINE_ID.fullmatch(first.hello.engine_id):
                     await self._hold(rpc, context, held, first.hello.engine_id)
                 engine_id = await self._admit(rpc, context, first.hello.engine_id)
             garbled: list[int] = []
@@ -437,6 +462,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                         # so what came before is still acknowledged; then refuse.
                         garbled.append(count)
                         return
+                    await self._pace(held, request)
                     yield request
 
             try:

@@ -1,8 +1,12 @@
-"""Accounting of what callers hold: calls in flight by kind, and per caller identity.
+"""Accounting of what callers hold and how fast they ask: calls in flight by
+kind, and per caller identity (calls, engines, active handoffs, and the rates
+of calls, starts and Connect reports).
 
-Both refuse rather than queue: a caller past a limit hears so at once
-(RESOURCE_EXHAUSTED naming the setting) and may retry, while the calls
-already admitted carry on. Nothing here awaits or reads a clock of its own.
+Calls past a limit are refused rather than queued: the caller hears so at
+once (RESOURCE_EXHAUSTED naming the setting) and may retry, while the calls
+already admitted carry on. Connect reports past their rate are the one
+exception: :meth:`Quotas.report_delay_s` says how long the stream should wait
+before reading on. Nothing here awaits or reads a clock of its own.
 """
 
 from __future__ import annotations
@@ -84,23 +88,71 @@ class Budget:
         )
 
 
+class Rate:
+    """How often one identity may do something: ``per_s`` a second, in bursts
+    of one second's worth; ``setting`` is what raises it."""
+
+    __slots__ = ("per_s", "burst", "setting")
+
+    def __init__(self, per_s: float, setting: str) -> None:
+        self.per_s = per_s
+        self.burst = max(per_s, 1.0)
+        self.setting = setting
+
+
+class Allowance:
+    """One identity's token bucket for one :class:`Rate`: what it may do now."""
+
+    __slots__ = ("left", "at")
+
+    def __init__(self, rate: Rate, now: float) -> None:
+        self.left = rate.burst
+        self.at = now
+
+    def refill(self, rate: Rate, now: float) -> float:
+        self.left = min(rate.burst, self.left + (now - self.at) * rate.per_s)
+        self.at = now
+        return self.left
+
+    def take(self, rate: Rate, now: float) -> bool:
+        """One more, if the identity has it left."""
+        if self.refill(rate, now) < 1.0:
+            return False
+        self.left -= 1.0
+        return True
+
+    def owe(self, rate: Rate, now: float, count: int) -> float:
+        """Take ``count`` at once, into debt if need be; the seconds until the
+        debt is paid (0: none)."""
+        self.left = self.refill(rate, now) - count
+        return max(0.0, -self.left / rate.per_s)
+
+
 class Usage:
-    """What one identity holds now."""
+    """What one identity holds now, and what it may still ask for."""
 
-    __slots__ = ("arriving", "calls", "streams", "active", "allowance", "allowance_at")
+    __slots__ = ("arriving", "calls", "streams", "active", "starts", "rpcs", "reports")
 
-    def __init__(self, starts_burst: float, now: float) -> None:
+    def __init__(self, rates: Rates, now: float) -> None:
         self.arriving = 0  # calls whose first message has not arrived yet
         self.calls = 0  # unary (and other non-engine) calls in flight
         self.streams: dict[str, int] = {}  # engine id -> its live streams (a replacement overlaps)
         self.active = 0  # handoffs it started that are not complete
-        self.allowance = starts_burst  # StartHandoff calls it may make now (a token bucket)
-        self.allowance_at = now
+        self.starts = Allowance(rates.starts, now)  # StartHandoff calls
+        self.rpcs = Allowance(rates.calls, now)  # calls of any RPC, counted as they arrive
+        self.reports = Allowance(rates.reports, now)  # reports carried by Connect messages
 
-    def idle(self, starts_burst: float) -> bool:
+    def idle(self, rates: Rates, now: float) -> bool:
+        """Nothing held and every allowance full: forgetting it changes nothing."""
         return (
-            not self.arriving and not self.calls and not self.streams and not self.active
-        ) and self.allowance >= starts_burst
+            not self.arriving
+            and not self.calls
+            and not self.streams
+            and not self.active
+            and self.starts.refill(rates.starts, now) >= rates.starts.burst
+            and self.rpcs.refill(rates.calls, now) >= rates.calls.burst
+            and self.reports.refill(rates.reports, now) >= rates.reports.burst
+        )
 
     def held(self) -> int:
         """Calls counted against the limit: one per engine, however many of its
@@ -108,10 +160,22 @@ class Usage:
         return self.calls + len(self.streams)
 
 
+class Rates:
+    """The rates every identity is held to (each identity has its own allowance)."""
+
+    __slots__ = ("starts", "calls", "reports")
+
+    def __init__(self, *, starts_per_s: float, calls_per_s: float, reports_per_s: float) -> None:
+        self.starts = Rate(starts_per_s, "max_starts_per_s_per_identity")
+        self.calls = Rate(calls_per_s, "max_calls_per_s_per_identity")
+        self.reports = Rate(reports_per_s, "max_reports_per_s_per_identity")
+
+
 class Quotas:
     """Per caller identity (a token's name, a client certificate's SAN): calls in
-    flight, active handoffs and the StartHandoff rate, each with its own limit,
-    so that one caller past its limit leaves everyone else's room intact.
+    flight, active handoffs, and the rates of calls, starts and Connect
+    reports, each with its own limit, so that one caller at its limits leaves
+    everyone else's room intact.
 
     Callers with no identity (no token, no client certificate) are not counted
     here: the server-wide limits are theirs.
@@ -124,13 +188,16 @@ class Quotas:
         active: int,
         engines: int = 1_000_000,
         starts_per_s: float,
+        calls_per_s: float = 1_000_000.0,
+        reports_per_s: float = 1_000_000.0,
         clock: Callable[[], float],
     ) -> None:
         self.calls = calls
         self.engines = engines
         self.active = active
-        self.starts_per_s = starts_per_s
-        self.starts_burst = max(starts_per_s, 1.0)  # one second's worth
+        self.rates = Rates(
+            starts_per_s=starts_per_s, calls_per_s=calls_per_s, reports_per_s=reports_per_s
+        )
         self.clock = clock
         self._usage: dict[str, Usage] = {}
         self._owners: dict[str, str] = {}  # active handoff id -> identity that started it
@@ -138,11 +205,11 @@ class Quotas:
     def _of(self, identity: str) -> Usage:
         usage = self._usage.get(identity)
         if usage is None:
-            usage = self._usage[identity] = Usage(self.starts_burst, self.clock())
+            usage = self._usage[identity] = Usage(self.rates, self.clock())
         return usage
 
     def _tidy(self, identity: str, usage: Usage) -> None:
-        if usage.idle(self.starts_burst):
+        if usage.idle(self.rates, self.clock()):
             del self._usage[identity]
 
     def usage(self, identity: str) -> Usage | None:
@@ -150,11 +217,18 @@ class Quotas:
 
     # --- calls -------------------------------------------------------------
 
-    def arrive(self, identity: str) -> str | None:
-        """Count a call that arrived and has not sent its first message yet: at
-        most ``calls`` such calls per identity, apart from those it holds with
-        a message (so that a stream replacing its engine's is still admitted)."""
+    def arrive(self, identity: str, rpc: str) -> str | None:
+        """Count a call of ``rpc`` that arrived and has not sent its first
+        message yet: within the identity's rate of calls, and at most
+        ``calls`` such calls per identity apart from those it holds with a
+        message (so that a stream replacing its engine's is still admitted)."""
         usage = self._of(identity)
+        rate = self.rates.calls
+        if not usage.rpcs.take(rate, self.clock()):
+            return (
+                f"{identity} makes more than {rate.per_s:g} calls per second ({rpc} refused), "
+                f"the limit per identity ({rate.setting})"
+            )
         if usage.arriving >= self.calls:
             self._tidy(identity, usage)
             return (
@@ -225,18 +299,21 @@ class Quotas:
                 f"{identity} has {usage.active} active handoffs, the limit per identity "
                 "(max_active_handoffs_per_identity)"
             )
-        now = self.clock()
-        usage.allowance = min(
-            self.starts_burst, usage.allowance + (now - usage.allowance_at) * self.starts_per_s
-        )
-        usage.allowance_at = now
-        if usage.allowance < 1.0:
+        rate = self.rates.starts
+        if not usage.starts.take(rate, self.clock()):
             return (
-                f"{identity} starts more than {self.starts_per_s:g} handoffs per second, "
-                "the limit per identity (max_starts_per_s_per_identity)"
+                f"{identity} starts more than {rate.per_s:g} handoffs per second, "
+                f"the limit per identity ({rate.setting})"
             )
-        usage.allowance -= 1.0
         return None
+
+    def report_delay_s(self, identity: str, reports: int) -> float:
+        """Count ``reports`` carried by one Connect message; how long the stream
+        should wait before handling them so that the identity stays within its
+        rate of reports (0: at once). Not a refusal: the stream is only read
+        more slowly, as when its acknowledgements are not read."""
+        usage = self._of(identity)
+        return usage.reports.owe(self.rates.reports, self.clock(), reports)
 
     def started(self, identity: str, handoff_id: str) -> None:
         """The identity's StartHandoff created ``handoff_id`` (a retry of one it

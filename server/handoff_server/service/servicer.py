@@ -42,10 +42,8 @@ REPORT_RPC = {"fact": "ReportFact", "outcome": "ReportOutcome"}
 
 STREAM_BATCH = 256
 Message = TypeVar("Message", pb.Action, pb.ConnectResponse)  # what an engine stream writes
-# Reports in one Connect message at most: all of a message's reports are
-# answered before any of their acks can be written, so this also bounds what
-# one message can make the server queue.
-MAX_REPORTS_PER_MESSAGE = 128
+# Reports in one Connect message at most (convert.py).
+MAX_REPORTS_PER_MESSAGE = convert.MAX_REPORTS_PER_MESSAGE
 # Reports of one message handled before the reader lets others run: a turn
 # is then ~0.1 ms, while a yield per report would cost as much as the report.
 REPORTS_PER_TURN = 16
@@ -582,26 +580,13 @@ def _hello(request: pb.ConnectRequest | None) -> pb.ConnectHello:
 
 def _capped_reports(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
     """The message's reports, refused whole (before any is handled) when too many."""
-    reports = reports_of(request)
+    reports = convert.reports_of(request)
     if len(reports) > MAX_REPORTS_PER_MESSAGE:
         raise ResourceExhausted(
             f"a Connect message carries {len(reports)} reports; the limit is "
             f"{MAX_REPORTS_PER_MESSAGE} per message (max_reports_per_message)"
         )
     return reports
-
-
-def reports_of(request: pb.ConnectRequest) -> Sequence[pb.ConnectRequest | pb.ConnectReport]:
-    """The reports in one Connect message after the hello, in order; one ack is owed each.
-
-    The message's own kind counts as a report even when it is not one (a
-    second hello, nothing at all), so that it is acknowledged with an error
-    rather than ignored; unless the message only carries ``reports``.
-    """
-    batch = request.reports
-    if batch and request.WhichOneof("kind") is None:
-        return batch  # the field itself: counting it makes no wrapper per report
-    return [request, *batch]
 
 
 def _handoff_subject(request: pb.StartHandoffRequest | pb.GetHandoffRequest) -> str:
