@@ -202,8 +202,12 @@ class Engine:
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / "tmp").mkdir(exist_ok=True)
         env = {
             **os.environ,
+            # vLLM's IPC sockets and its dist-init files go in the temporary
+            # directory, and an engine killed with -9 leaves them: in its own.
+            "TMPDIR": str(self.directory / "tmp"),
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1",

@@ -144,8 +144,16 @@ async def test_canceled_before_the_decode_leg_frees_the_prefill_at_once(
 async def stream_until_first_token(proxy: Proxy, http: httpx.AsyncClient, prompt: str) -> str:
     """Open a long streamed completion through the proxy; its handoff id at the first token.
 
-    The caller then breaks the stream off (leaving the ``async with`` closes it)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0.0}
+    The caller then breaks the stream off (leaving the ``async with`` closes it).
+    ``ignore_eos``: 200 tokens whatever the model says, so the answer is still
+    being written when the client goes (a short one can end first: SUCCESS)."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 200,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     async with http.stream(
         "POST", f"{proxy.url}/v1/completions", json={**body, "stream": True}
     ) as answer:
