@@ -1362,42 +1362,51 @@ async def paced_reports(target: str, per_s: float, seconds: float) -> int:
 
 
 async def test_floods_within_quota_leave_another_identity_its_rate(tmp_path: Path) -> None:
-    """Item 11: one token floods at its default per-identity rates, one kind
-    after another: StartHandoff at 200 a second, GetShardMap at 1,000 calls a
-    second, Connect messages of 128 duplicate reports at 2,000 reports a
-    second. A frontend with 40 handoffs a second of work (360 calls a second,
-    a third of what this server serves on its own core) under another token
-    keeps at least 90 % of the rate it had just before each flood; past its
-    quota the flooding token is refused, naming itself, the RPC and the
-    setting, and its reports are read more slowly.
+    """Item 11: one token floods at its per-identity rates (a quarter of the
+    defaults, see below), one kind after another: StartHandoff, GetShardMap
+    calls, Connect messages of 128 duplicate reports. A frontend with 20
+    handoffs a second of work under another token keeps at least 90 % of the
+    rate it had just before each flood; past its quota the flooding token is
+    refused, naming itself, the RPC and the setting, and its reports are read
+    more slowly.
 
-    Measured on the 2-core machine (server, test and attacker processes
-    sharing them), before the per-identity rates of every RPC: 0.91 of the rate
-    with GetShardMap at 250 a second, 0.82 at 500 (a frontend as fast as the
-    server answers); with them, the frontend with 40 handoffs a second of work
-    keeps 0.98 to 1.00 against each flood at its quota. A greedy frontend (no
-    pace) would measure only what the flood's share costs the whole server.
-    (A token sending far past its quota is still refused one call at a time,
-    each refusal a call's cost: bounded by the connections it may hold, not
-    by this test.)"""
+    Measured on the 2-core machine, before the per-identity rates of every
+    RPC: 0.91 of the rate with GetShardMap at 250 a second, 0.82 at 500 (a
+    frontend as fast as the server answers); with them, at the defaults, the
+    frontend kept 0.98 to 1.00 against each flood at its quota on an idle
+    machine. (A token sending far past its quota is still refused one call
+    at a time, each refusal a call's cost: bounded by the connections it may
+    hold, not by this test.)"""
     tokens = tmp_path / "tokens"
     tokens.write_text(f"{GOOD}\nflood {ATTACKER} start,engine,report,read engines=flood-*\n")
     seconds = 3.0
+    # A quarter of the default rates: the property is the quota's, and it
+    # needs a server with CPU for both callers. At the defaults (sized for a
+    # core of its own) a CPU-bound process beside the suite left the frontend
+    # 0.70 to 0.78 of its rate: the machine's limit, not fairness.
+    starts, calls, reports = 50, 250, 500
+    quotas = (
+        *("--max-starts-per-s-per-identity", str(starts)),
+        *("--max-calls-per-s-per-identity", str(calls)),
+        *("--max-reports-per-s-per-identity", str(reports)),
+    )
     async with (
         asyncio.timeout(TIMEOUT_S * 2),
-        serving(tmp_path, "--token-file", str(tokens)) as served,
+        serving(tmp_path, "--token-file", str(tokens), *quotas) as served,
         contextlib.AsyncExitStack() as stack,
         grpc.aio.insecure_channel(served.target) as good,
-        alongside(good, bearer(TOKEN), per_s=40.0) as client,
+        alongside(good, bearer(TOKEN), per_s=20.0) as client,
     ):
         attack = await stack.enter_async_context(attacker())
         await client.completed_at_least(MIN_COMPLETED)
         floods: dict[str, Callable[[], Awaitable[Any]]] = {
             "StartHandoff": lambda: attack(
-                paced_calls, served.target, "StartHandoff", 200, seconds
+                paced_calls, served.target, "StartHandoff", starts, seconds
             ),
-            "GetShardMap": lambda: attack(paced_calls, served.target, "GetShardMap", 1000, seconds),
-            "Connect": lambda: attack(paced_reports, served.target, 2000, seconds),
+            "GetShardMap": lambda: attack(
+                paced_calls, served.target, "GetShardMap", calls, seconds
+            ),
+            "Connect": lambda: attack(paced_reports, served.target, reports, seconds),
         }
         kept: dict[str, float] = {}
         for rpc, flood in floods.items():
@@ -1407,20 +1416,20 @@ async def test_floods_within_quota_leave_another_identity_its_rate(tmp_path: Pat
             outcome = await flood()
             kept[rpc] = (client.completed - completed) / (loop.time() - began) / before
             if rpc == "Connect":
-                assert outcome >= 0.9 * 2000 * seconds, outcome  # at its quota, never refused
+                assert outcome >= 0.9 * reports * seconds, outcome  # at its quota, never refused
             else:
                 assert set(outcome) == {"OK"}, outcome  # within its quota: never refused
         assert min(kept.values()) >= 0.9, kept
         # Past its quota: a second's burst more than the rate allows.
-        burst = await attack(paced_calls, served.target, "GetShardMap", 2500, 1.0)
-        assert burst["OK"] >= 1000, burst
+        burst = await attack(paced_calls, served.target, "GetShardMap", calls * 2.5, 1.0)
+        assert burst["OK"] >= calls, burst
         assert set(burst) == {
             "OK",
-            "RESOURCE_EXHAUSTED: token flood makes more than 1000 calls per second "
+            f"RESOURCE_EXHAUSTED: token flood makes more than {calls} calls per second "
             "(GetShardMap refused), the limit per identity (max_calls_per_s_per_identity)",
         }, burst
-        acks = await attack(paced_reports, served.target, 8000, 0.5)
-        assert acks >= 3000, acks  # every report acknowledged, later
+        acks = await attack(paced_reports, served.target, reports * 4, 0.5)
+        assert acks >= reports * 1.5, acks  # every report acknowledged, later
         assert await metric(served, "handoff_reports_paced_total") > 0
         assert_unharmed(client, served)
 
