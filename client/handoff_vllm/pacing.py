@@ -44,7 +44,7 @@ class _PacedBindings:
         return self._bindings.nixlAgent(name, config)
 
 
-def pace_progress_thread(delay_us: int, version: str | None = None) -> bool:
+def pace_progress_thread(delay_us: int) -> bool:
     """From now on, NIXL agents made in this process pace their progress thread
     at ``delay_us``; False (and nothing changed) where that cannot be done."""
     if delay_us <= 0:
@@ -52,7 +52,7 @@ def pace_progress_thread(delay_us: int, version: str | None = None) -> bool:
     try:
         from importlib.metadata import version as installed
 
-        found = version or installed("nixl")
+        found = installed("nixl")
         agent = importlib.import_module("nixl._api").nixl_agent
     except Exception as error:  # no usable NIXL here: nothing to pace
         log.warning("NIXL's progress thread not paced: nixl not importable (%s)", error)
