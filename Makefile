@@ -34,8 +34,14 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 # pytest exits 5 when it collected nothing; that is a failure here, not a pass.
+COLLECTED = rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
+# The suite on one worker per core (pytest-xdist); then, alone, the tests
+# marked serial, which compare rates or time the event loop and must not
+# measure another test's load.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
+	$(BIN)/pytest -n $(TEST_WORKERS) -m 'not serial'; $(COLLECTED)
+	$(BIN)/pytest -m serial; $(COLLECTED)
 	$(MAKE) test-sdk test-pythons
 
 $(SDK_STAMP): pyproject.toml Makefile

@@ -206,6 +206,7 @@ async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_serve
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.serial  # times the event loop's gaps: run alone (make test's second pass)
 async def test_another_writer_makes_commits_wait_off_the_loop_then_asks_for_a_drain(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

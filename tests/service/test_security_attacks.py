@@ -56,6 +56,10 @@ from tests.support.holder import holding
 from tests.support.rpc import SUBMITTED
 from tests.support.security import Stub, make_pki, secure_channel
 
+# They compare the legit client's rate before and during an attack: run alone
+# (make test's second pass), so no other test's load sits in the measurement.
+pytestmark = pytest.mark.serial
+
 TOKEN = "attack-test-token-0123456789"
 ATTACKER = "attacker-token-0123456789ab"
 TIMEOUT_S = 60.0
