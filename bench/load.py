@@ -64,6 +64,16 @@ ANSWERS: dict[int, tuple[OutcomeKind, pb.Fact | None]] = {
     pb.ACTION_KIND_CANCEL_SOURCE: (pb.OUTCOME_KIND_APPLIED, None),
     pb.ACTION_KIND_CANCEL_DESTINATION: (pb.OUTCOME_KIND_APPLIED, None),
 }
+# The fact each answer carries, by name: the first half of a hop's label.
+FACT_OF = {
+    pb.ACTION_KIND_SUBMIT_PREFILL: "SourceHeld",
+    pb.ACTION_KIND_RESERVE_DESTINATION: "DestinationReserved",
+    pb.ACTION_KIND_START_TRANSFER: "TransferCompleted",
+}
+ACTION_NAME = {
+    kind: pb.ActionKind.Name(kind).removeprefix("ACTION_KIND_").title().replace("_", "")
+    for kind in pb.ActionKind.values()
+}
 COMPLETE = pb.ACTION_KIND_COMPLETE
 ORDERS = (pb.HANDOFF_ORDER_SOURCE_FIRST, pb.HANDOFF_ORDER_DESTINATION_FIRST)
 DRAIN_S = 30.0  # how long in-flight handoffs may take to finish after the window
@@ -97,6 +107,9 @@ class LoadResult:
     window_s: float = 0.0
     handoff_s: list[float] = field(default_factory=list)
     fact_to_action_s: list[float] = field(default_factory=list)
+    # The same samples by hop, "SourceHeld → ReserveDestination": the critical
+    # path from a prefill's end to its decode's start, one hop at a time.
+    hops: dict[str, list[float]] = field(default_factory=dict)
     rejected: int = 0  # StartHandoff refusals and rejected reports; should stay 0
     unfinished: int = 0  # still in flight when the drain gave up
     skipped: int = 0  # open-loop starts not made: a second's worth was already in flight
@@ -111,11 +124,12 @@ class LoadResult:
 class Flight:
     """One handoff the frontend started, until its Completes arrive."""
 
-    __slots__ = ("started_at", "fact_at", "completes", "done")
+    __slots__ = ("started_at", "fact_at", "fact", "completes", "done")
 
     def __init__(self, completes: int, done: asyncio.Future[None]) -> None:
         self.started_at = time.perf_counter()
         self.fact_at: float | None = None
+        self.fact = ""  # the name of the fact sent at ``fact_at``
         self.completes = completes
         self.done = done
 
@@ -160,9 +174,14 @@ class Engine:
             return
         if flight.fact_at is not None:
             if book.recording:
-                book.result.fact_to_action_s.append(time.perf_counter() - flight.fact_at)
+                took = time.perf_counter() - flight.fact_at
+                book.result.fact_to_action_s.append(took)
+                hop = f"{flight.fact} → {ACTION_NAME[action.kind]}"
+                book.result.hops.setdefault(hop, []).append(took)
             flight.fact_at = None
         outcome, fact = ANSWERS[action.kind]
+        if fact is not None:
+            flight.fact = FACT_OF[action.kind]
         self.report(action.handoff_id, action.id, outcome, fact, flight)
 
     def report(

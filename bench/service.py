@@ -115,6 +115,8 @@ def merge(results: Sequence[LoadResult]) -> LoadResult:
         merged.received += r.received
         merged.handoff_s += r.handoff_s
         merged.fact_to_action_s += r.fact_to_action_s
+        for hop, samples in r.hops.items():
+            merged.hops.setdefault(hop, []).extend(samples)
     return merged
 
 

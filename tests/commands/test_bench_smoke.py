@@ -48,3 +48,31 @@ def test_quick_shard_comparison_prints_its_figures() -> None:
     assert "; errors 0" in out, out
     assert "- server CPU per handoff at 100/s per shard: 1 shard" in out
     assert "- capacity model:" in out
+
+
+def test_quick_critical_path_prints_every_hop() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.critical", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "| path | journal | load | handoffs/s | hop | samples | p50 ms | p99 ms |" in out, out
+    # Both orders' hops from a prefill's end to its decode's start, on each
+    # path, journal off and on, at both fractions of each one's max rate.
+    for path in ("stream (batched)", "unary"):
+        for journal in ("off", "on"):
+            for fraction in ("50%", "80%"):
+                for hop in (
+                    "SourceHeld → ReserveDestination",
+                    "SourceHeld → StartTransfer",
+                    "TransferCompleted → ActivateDestination",
+                ):
+                    row = f"| {path} | {journal} | {fraction} of "
+                    assert any(
+                        line.startswith(row) and f"| {hop} |" in line for line in out.splitlines()
+                    ), (row, hop, out)

@@ -1,0 +1,127 @@
+"""The critical path, hop by hop: a fact's arrival to the action it causes.
+
+Between a prefill finishing and its decode starting, the coordinator sits on
+every hop (SourceHeld -> ReserveDestination or StartTransfer ->
+TransferCompleted -> ActivateDestination, by order), so each hop's latency
+adds to the user's time to first token. This measures each hop's p50 and p99
+on both paths, at half and at 80 % of the maximum rate that configuration
+sustains (measured first, in the same run), with the journal off and on.
+
+Latencies are taken in the load process (bench/load.py, one clock): fact
+sent to the action received by its engine, so the client's own queueing is
+included and the figures bound the coordinator's share from above.
+
+Run: .venv/bin/python -m bench.critical   (--quick: a smoke run of a few seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.pool import Pool
+
+from bench.load import LoadSpec
+from bench.procs import ServerProcess
+from bench.service import Measured, drive, load_average, ms, percentile, say
+
+FRACTIONS = (0.5, 0.8)
+# The path from a prefill's end to its decode's start, in both orders; the
+# other hops are shown below them.
+CRITICAL = (
+    "SourceHeld → ReserveDestination",
+    "DestinationReserved → StartTransfer",
+    "SourceHeld → StartTransfer",
+    "TransferCompleted → ActivateDestination",
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    path: str
+    batch: bool
+    journal: bool
+
+    @property
+    def name(self) -> str:
+        path = "stream (batched)" if self.batch else self.path
+        return f"{path}, journal {'on' if self.journal else 'off'}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
+    parser.add_argument("--duration-s", type=float, help="each measured window (default 10)")
+    parser.add_argument("--concurrency", type=int, default=128, help="in flight at max rate")
+    args = parser.parse_args(argv)
+    duration = args.duration_s or (0.6 if args.quick else 10.0)
+    base = LoadSpec(
+        target="",
+        path="stream",
+        pairs=2 if args.quick else 4,
+        concurrency=args.concurrency,
+        duration_s=duration,
+        warmup_s=0.2 if args.quick else 2.0,
+    )
+    setups = [
+        Setup(path, path == "stream", journal)
+        for journal in (False, True)
+        for path in ("stream", "unary")
+    ]
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="bench-critical-") as state:
+        servers = {
+            False: ServerProcess.service(name="journal off"),
+            True: ServerProcess.service("--state-dir", state, name="journal on"),
+        }
+        try:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                runs = [run(pool, servers[setup.journal], base, setup) for setup in setups]
+        finally:
+            for server in servers.values():
+                server.stop()
+    print("## The critical path, hop by hop (bench/critical.py)")
+    print()
+    print(f"Load average {load_before} before, {load_average()} after; {duration} s windows.")
+    print()
+    print("\n".join(table(runs)))
+    return 0
+
+
+def run(pool: Pool, server: ServerProcess, base: LoadSpec, setup: Setup) -> list[Measured]:
+    """The maximum rate of ``setup``, then each fraction of it, paced."""
+    spec = replace(base, path=setup.path, batch=setup.batch)
+    say(f"max rate: {setup.name}")
+    top = drive(pool, 1, server, spec, "max")
+    measured = []
+    for fraction in FRACTIONS:
+        rate = top.rate * fraction
+        say(f"{fraction:.0%} of max: {setup.name}, {rate:,.0f} handoffs/s")
+        paced = replace(spec, rate=rate)
+        measured.append(drive(pool, 1, server, paced, f"{fraction:.0%} of {top.rate:,.0f}/s"))
+    return measured
+
+
+def table(runs: list[list[Measured]]) -> list[str]:
+    lines = [
+        "| path | journal | load | handoffs/s | hop | samples | p50 ms | p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for measured in runs:
+        for m in measured:
+            hops = m.result.hops
+            ordered = [h for h in CRITICAL if h in hops] + sorted(set(hops) - set(CRITICAL))
+            for hop in ordered:
+                samples = hops[hop]
+                lines.append(
+                    f"| {m.path} | {m.server.removeprefix('journal ')} | {m.mode} | "
+                    f"{m.rate:,.0f} | {hop} | {len(samples):,} | {ms(percentile(samples, 0.5))} | "
+                    f"{ms(percentile(samples, 0.99))} |"
+                )
+    return lines
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
