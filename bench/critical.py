@@ -78,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         try:
             with multiprocessing.get_context("spawn").Pool(1) as pool:
+                # Unmeasured: the load process's imports and each server's
+                # first streams would otherwise weigh on the first setup only.
+                for server in servers.values():
+                    drive(pool, 1, server, replace(base, duration_s=base.warmup_s), "warm-up")
                 runs = [run(pool, servers[setup.journal], base, setup) for setup in setups]
         finally:
             for server in servers.values():
