@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from handoff_client import Completion, EngineType, Handoff, HandoffClient, Phase, Role
+from tests.support.fakes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # Cold, two engines at once on a shared 2-core machine: minutes, not seconds.
@@ -36,12 +36,6 @@ ENGINE_START_S = 600.0
 POLL_S = 0.05
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tail(path: Path, lines: int) -> str:
