@@ -28,6 +28,7 @@ from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, ms, percentile, say
 
 FRACTIONS = (0.5, 0.8)
+QUICK_COUNT = 64  # --quick: the max rate over this many handoffs, however slow the machine
 # The path from a prefill's end to its decode's start, in both orders; the
 # other hops are shown below them.
 CRITICAL = (
@@ -82,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # first streams would otherwise weigh on the first setup only.
                 for server in servers.values():
                     drive(pool, 1, server, replace(base, duration_s=base.warmup_s), "warm-up")
-                runs = [run(pool, servers[setup.journal], base, setup) for setup in setups]
+                count = QUICK_COUNT if args.quick else None
+                runs = [run(pool, servers[setup.journal], base, setup, count) for setup in setups]
         finally:
             for server in servers.values():
                 server.stop()
@@ -94,11 +96,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def run(pool: Pool, server: ServerProcess, base: LoadSpec, setup: Setup) -> list[Measured]:
-    """The maximum rate of ``setup``, then each fraction of it, paced."""
+def run(
+    pool: Pool, server: ServerProcess, base: LoadSpec, setup: Setup, count: int | None
+) -> list[Measured]:
+    """The maximum rate of ``setup`` (over ``count`` handoffs when given, so a
+    loaded machine still yields a rate), then each fraction of it, paced."""
     spec = replace(base, path=setup.path, batch=setup.batch)
     say(f"max rate: {setup.name}")
-    top = drive(pool, 1, server, spec, "max")
+    top = drive(pool, 1, server, replace(spec, count=count), "max")
+    if top.rate <= 0:
+        raise SystemExit(f"{setup.name}: no handoff completed in the window; pass --duration-s")
     measured = []
     for fraction in FRACTIONS:
         rate = top.rate * fraction
@@ -117,6 +124,11 @@ def table(runs: list[list[Measured]]) -> list[str]:
         for m in measured:
             hops = m.result.hops
             ordered = [h for h in CRITICAL if h in hops] + sorted(set(hops) - set(CRITICAL))
+            if not ordered:  # nothing finished a hop inside the window
+                lines.append(
+                    f"| {m.path} | {m.server.removeprefix('journal ')} | {m.mode} | "
+                    f"{m.rate:,.0f} | no samples | 0 | - | - |"
+                )
             for hop in ordered:
                 samples = hops[hop]
                 lines.append(

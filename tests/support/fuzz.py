@@ -417,9 +417,11 @@ class Caller:
             # The server ended the stream while this client was still writing,
             # and grpc.aio's client replaced the server's status with its own
             # INTERNAL (grpc/grpc#36066). The server's answer cannot be seen
-            # here; the tests check the server's logs for errors instead.
+            # here, nor the acks it wrote before it (a loaded machine delivers
+            # them late): the reports may have been accepted, so the handoffs
+            # may have changed. The tests check the server's logs instead.
             self.tally.saw("client INTERNAL (grpc#36066)")
-            return accepted
+            return True
         assert code in REFUSALS | {grpc.StatusCode.OK}, f"Connect: {code} {await call.details()}"
         return accepted
 
