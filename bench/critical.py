@@ -123,17 +123,14 @@ def table(runs: list[list[Measured]]) -> list[str]:
     for measured in runs:
         for m in measured:
             hops = m.result.hops
+            head = f"| {m.path} | {m.server.removeprefix('journal ')} | {m.mode} | {m.rate:,.0f} |"
             ordered = [h for h in CRITICAL if h in hops] + sorted(set(hops) - set(CRITICAL))
             if not ordered:  # nothing finished a hop inside the window
-                lines.append(
-                    f"| {m.path} | {m.server.removeprefix('journal ')} | {m.mode} | "
-                    f"{m.rate:,.0f} | no samples | 0 | - | - |"
-                )
+                lines.append(f"{head} no samples | 0 | - | - |")
             for hop in ordered:
                 samples = hops[hop]
                 lines.append(
-                    f"| {m.path} | {m.server.removeprefix('journal ')} | {m.mode} | "
-                    f"{m.rate:,.0f} | {hop} | {len(samples):,} | {ms(percentile(samples, 0.5))} | "
+                    f"{head} {hop} | {len(samples):,} | {ms(percentile(samples, 0.5))} | "
                     f"{ms(percentile(samples, 0.99))} |"
                 )
     return lines
