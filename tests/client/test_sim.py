@@ -191,12 +191,16 @@ async def test_every_fault_against_three_shards_leaks_nothing(
         assert scraped.total("handoff_misrouted_starts_total") == 0
         assert scraped.by_label("handoff_handoffs", "phase")["active"] == 0
     # The restarted engine came back on every shard under one new incarnation:
-    # a shard that had its unfinished handoffs declared the old one lost, once.
+    # a shard that still had its unfinished handoffs declared the old one lost
+    # once, never again on a reconnect. Whether any shard still had some is the
+    # machine's timing: blackouts (1.5 s) outlast the delivery timeout (1 s), so
+    # on a loaded machine every one of them may have been lost as unreachable
+    # before the restart, leaving it nothing to lose (seen beside a CPU burner).
     restarted = [
         scraped.by_label("handoff_engines_lost_total", "cause").get("restarted", 0.0)
         for scraped in metrics
     ]
-    assert max(restarted) == 1, render(result, metrics)
+    assert max(restarted) <= 1, render(result, metrics)
     summary = render(result, metrics)
     assert "shards: handoff-0 " in summary
     assert "3 shards, counters summed" in summary
