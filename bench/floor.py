@@ -5,7 +5,8 @@ report, packed with the actions into one message when the hello asks for
 batching, as the service does. So that the bench's engines (bench/load.py) can run against it
 unchanged, the floor also pushes the actions of a success path, from a fixed
 script keyed by what was reported, instead of running a state machine: one
-dict lookup per message. What the service costs beyond this is coordination.
+dict lookup per message. Its streams linger as the service's do (service/linger.py),
+so both write alike. What the service costs beyond this is coordination.
 
 Run: .venv/bin/python -m bench.floor --port 0   (prints the address it serves)
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -22,9 +24,12 @@ import grpc
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.commands.serve import loop_factory
+from handoff_server.ops.config import Settings, env_name
 from handoff_server.service.convert import reports_of
+from handoff_server.service.linger import Linger, Wake
 
 SOURCE_FIRST = pb.HANDOFF_ORDER_SOURCE_FIRST
+LINGER_VARIABLE = env_name("stream_linger_ms")
 Message = pb.Action | pb.ConnectResponse
 
 
@@ -37,7 +42,7 @@ class Outlet:
         self.queue: deque[Message] = deque()
         self.acks: list[pb.ConnectAck] = []  # batched only
         self.actions: list[pb.Action] = []  # batched only
-        self.ready = asyncio.Event()
+        self.ready = Wake()
 
     def push_action(self, action: pb.Action) -> None:
         if self.batch:
@@ -57,20 +62,26 @@ class Outlet:
         self.queue.append(END)
         self.ready.set()
 
-    async def drain(self) -> AsyncIterator[Message]:
+    async def drain(self, linger_s: float) -> AsyncIterator[Message]:
+        linger = Linger(linger_s)
         while True:
             self.ready.clear()
+            await linger.wait()
             if self.acks or self.actions:
                 message = pb.ConnectResponse(acks=self.acks, actions=self.actions)
                 self.acks, self.actions = [], []  # before the yield: more arrive meanwhile
                 yield message
+                linger.wrote()
             while self.queue:
                 yield self.queue.popleft()
+                linger.wrote()
             await self.ready.wait()
+            linger.woke(self.ready)
 
 
 class Floor(pb_grpc.HandoffCoordinatorServicer):
-    def __init__(self) -> None:
+    def __init__(self, linger_s: float) -> None:
+        self.linger_s = linger_s  # the service's stream linger, so both write alike
         self.outlets: dict[str, Outlet] = {}
         self.handoffs: dict[str, tuple[int, str, str]] = {}  # id -> order, source, destination
 
@@ -174,7 +185,7 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
         outlet = self.outlets[request.engine_id] = Outlet(wrap=False)
         await context.send_initial_metadata(())
         try:
-            async for message in outlet.drain():
+            async for message in outlet.drain(self.linger_s):
                 assert isinstance(message, pb.Action)
                 yield message
         finally:
@@ -191,7 +202,7 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
         reader = asyncio.create_task(self._read(request_iterator, outlet))
         await context.send_initial_metadata(())
         try:
-            async for message in outlet.drain():
+            async for message in outlet.drain(self.linger_s):
                 if message is END:
                     return
                 assert isinstance(message, pb.ConnectResponse)
@@ -215,9 +226,9 @@ class Floor(pb_grpc.HandoffCoordinatorServicer):
 END = pb.ConnectResponse()  # sentinel: never sent, ends the Connect response stream
 
 
-async def serve(host: str, port: int) -> None:
+async def serve(host: str, port: int, linger_s: float) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_HandoffCoordinatorServicer_to_server(Floor(), server)
+    pb_grpc.add_HandoffCoordinatorServicer_to_server(Floor(linger_s), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     # The same line `handoff serve` logs, so one parser finds either's port.
@@ -230,10 +241,16 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--event-loop", default="asyncio", choices=("asyncio", "uvloop"))
+    parser.add_argument(
+        "--stream-linger-ms",
+        type=float,
+        default=float(os.environ.get(LINGER_VARIABLE, Settings().stream_linger_ms)),
+        help=f"as the service's setting (default: ${LINGER_VARIABLE}, else the service's default)",
+    )
     args = parser.parse_args()
     # The same loop as the service it is compared with.
     with asyncio.Runner(loop_factory=loop_factory(args.event_loop)) as runner:
-        runner.run(serve(args.host, args.port))
+        runner.run(serve(args.host, args.port, args.stream_linger_ms / 1000))
 
 
 if __name__ == "__main__":

@@ -182,7 +182,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--shards", type=int, default=0, help="compare 1 shard with this many (2 or more)"
     )
-    parser.add_argument("--rounds", type=int, help="--shards: interleaved rounds")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="interleaved rounds: of the service and the floor (throughput, default 1), "
+        "or of 1 shard and N (--shards)",
+    )
     parser.add_argument(
         "--shard-rate",
         type=float,
@@ -291,17 +296,23 @@ def run_phases(
         duration_s=plan.duration_s,
         warmup_s=plan.warmup_s,
     )
+    rounds: list[list[Measured]] = []
     if "throughput" in phases:
-        for path, batch in (("stream", True), ("stream", False), ("unary", False)):
-            for name in ("service", "floor"):
-                sustained = (path, batch, name) == ("stream", True, "service")
-                window = plan.stream_duration_s if sustained else plan.duration_s
-                spec = replace(base, path=path, batch=batch, duration_s=window)
-                say(f"max rate: {label(spec)} path, {name}, {spec.duration_s} s")
-                mode = f"max ({plan.concurrency} in flight)"
-                measured.append(drive(pool, args.clients, servers[name], spec, mode))
-                if name == "service" and batch == (path == "stream"):
-                    max_rate[path] = measured[-1].rate
+        for round_ in range(args.rounds or 1):
+            rounds.append([])
+            for path, batch in (("stream", True), ("stream", False), ("unary", False)):
+                # Alternate which goes first, so a noisy machine weighs on both alike.
+                for name in ("service", "floor")[:: 1 if round_ % 2 == 0 else -1]:
+                    sustained = (path, batch, name) == ("stream", True, "service")
+                    window = plan.stream_duration_s if sustained else plan.duration_s
+                    spec = replace(base, path=path, batch=batch, duration_s=window)
+                    say(f"round {round_} max rate: {label(spec)} path, {name}, {window} s")
+                    mode = f"max ({plan.concurrency} in flight)"
+                    rounds[-1].append(drive(pool, args.clients, servers[name], spec, mode))
+        measured += [median_round(rounds, key) for key in dict.fromkeys(keys(rounds[0]))]
+        for m in measured:
+            if m.server == "service" and (m.path == "unary" or "batched" in m.path):
+                max_rate["stream" if m.path != "unary" else "unary"] = m.rate
     if "latency" in phases:
         for path in ("stream", "unary"):
             rate = max_rate[path] / 2
@@ -314,6 +325,8 @@ def run_phases(
             )
     if measured:
         lines += throughput_table(measured)
+    if len(rounds) > 1:
+        lines += rounds_table(rounds)
     if "memory" in phases:
         started = replace(base, concurrency=max(plan.concurrency, 256), frontend_only=True)
         say(f"memory: {plan.live:,} live handoffs")
@@ -548,6 +561,47 @@ def throughput_table(measured: list[Measured]) -> list[str]:
         "Messages: the gRPC messages the load wrote (in) and read (out), stream messages and "
         "unary calls alike, over the same handoffs.",
     ]
+    return lines
+
+
+def keys(measured: Sequence[Measured]) -> list[tuple[str, str]]:
+    return [(m.path, m.server) for m in measured]
+
+
+def median_round(rounds: Sequence[Sequence[Measured]], key: tuple[str, str]) -> Measured:
+    """Of ``key``'s windows over the rounds, the one of median server CPU per handoff."""
+    windows = sorted(
+        (m for r in rounds for m in r if (m.path, m.server) == key),
+        key=lambda m: m.cpu_per_handoff_us,
+    )
+    return windows[(len(windows) - 1) // 2]
+
+
+def rounds_table(rounds: Sequence[Sequence[Measured]]) -> list[str]:
+    """Per path, each round's service/floor ratios, and their medians: the figures
+    to compare (a ratio taken within one round shares that round's load)."""
+    lines = [
+        "",
+        f"Interleaved rounds ({len(rounds)}; the table above shows each row's window of "
+        "median server CPU per handoff):",
+        "",
+        "| path | service/floor throughput, per round | median | service/floor server CPU "
+        "per handoff, per round | median |",
+        "|---|---|---|---|---|",
+    ]
+    for path in dict.fromkeys(m.path for m in rounds[0]):
+        pace, cpu = [], []
+        for r in rounds:
+            found = {m.server: m for m in r if m.path == path}
+            service, floor = found["service"], found["floor"]
+            if floor.rate and floor.cpu_per_handoff_us:
+                pace.append(service.rate / floor.rate)
+                cpu.append(service.cpu_per_handoff_us / floor.cpu_per_handoff_us)
+        lines.append(
+            f"| {path} | {' / '.join(f'{x:.2f}' for x in pace)} | "
+            f"{statistics.median(pace):.2f} | {' / '.join(f'{x:.2f}' for x in cpu)} | "
+            f"{statistics.median(cpu):.2f}x |"
+        )
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,19 @@ import pytest
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.service.app import Server
-from tests.support.rpc import APPLIED, HELD, SOURCE, SUBMITTED, ConnectEngine, Stub, start_request
+from handoff_server.service.servicer import Owed, Servicer
+from tests.support.rpc import (
+    ACCEPTED,
+    APPLIED,
+    HELD,
+    RESERVED,
+    SOURCE,
+    SUBMITTED,
+    ConnectEngine,
+    Stub,
+    start_request,
+)
+from tests.support.servers import StartServer
 
 
 @pytest.fixture
@@ -163,6 +176,59 @@ async def test_reports_in_one_message_are_answered_in_one_packed_message(stub: S
         assert packed.acks[2].handoff.phase == pb.PHASE_ACTIVE
         assert [a.kind for a in packed.acks[2].actions] == [pb.ACTION_KIND_RESERVE_DESTINATION]
         assert [(a.id, a.kind) for a in packed.actions] == [(1, pb.ACTION_KIND_RESERVE_DESTINATION)]
+        await engine.close()
+
+
+def report(
+    request_id: int, item: pb.ReportFactRequest | pb.ReportOutcomeRequest
+) -> pb.ConnectRequest:
+    if isinstance(item, pb.ReportFactRequest):
+        return pb.ConnectRequest(request_id=request_id, fact=item)
+    return pb.ConnectRequest(request_id=request_id, outcome=item)
+
+
+async def test_a_stream_lingers_only_while_the_loop_is_behind(
+    start_server: StartServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream lingers once the event loop is behind (its wake-up came more
+    than half of ``stream_linger_ms`` after the work that set it): then the
+    acks of two reports sent a message apart leave in one message. Before
+    that, each ack leaves at once. Here one report's handling holds the loop
+    after it woke the stream, as a loop busy with other streams would."""
+    handle = Servicer._report
+
+    def holding_the_loop(
+        self: Servicer, request: pb.ConnectRequest | pb.ConnectReport, owed: Owed
+    ) -> None:
+        handle(self, request, owed)
+        if request.request_id == 8:
+            time.sleep(0.6)
+
+    monkeypatch.setattr(Servicer, "_report", holding_the_loop)
+    server = await start_server(stream_linger_ms=1000)
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+        asyncio.timeout(20),
+    ):
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        engine, handoff_id, _ = await started(stub, batch=True)
+        submitted = pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=0, outcome=SUBMITTED)
+        assert [a.request_id for a in (await engine.send(report(7, submitted))).acks] == [7]
+        # Its ReserveDestination wakes the stream, then the loop is held.
+        held = await engine.send(report(8, pb.ReportFactRequest(handoff_id=handoff_id, fact=HELD)))
+        assert [a.request_id for a in held.acks] == [8]
+        assert [a.kind for a in held.actions] == [pb.ACTION_KIND_RESERVE_DESTINATION]
+
+        before = await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=handoff_id))
+        accepted = pb.ReportOutcomeRequest(handoff_id=handoff_id, action_id=1, outcome=ACCEPTED)
+        await engine.outbox.put(report(9, accepted))
+        while (
+            await stub.GetHandoff(pb.GetHandoffRequest(handoff_id=handoff_id))
+        ).handoff == before.handoff:
+            pass  # each poll is a round trip: report 9 is handled between two of them
+        reserved = pb.ReportFactRequest(handoff_id=handoff_id, fact=RESERVED)
+        packed = await engine.send(report(10, reserved))
+        assert [a.request_id for a in packed.acks] == [9, 10]
         await engine.close()
 
 

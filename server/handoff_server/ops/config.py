@@ -77,6 +77,13 @@ class Settings:
         "event loop; uvloop spends less server CPU per handoff (bench/RESULTS.md)",
         choices=("asyncio", "uvloop"),
     )
+    stream_linger_ms: float = _setting(
+        1.0,
+        "while the event loop is behind (a stream woke more than half this late), at most "
+        "one write per engine stream per this many ms, so one message carries more acks and "
+        "actions (less CPU per handoff; an action waits up to this much longer); on a loop "
+        "that keeps up no stream lingers; 0: never",
+    )
     # --- durability (docs/durability.md) ----------------------------------------
     state_dir: str = _setting(
         "",

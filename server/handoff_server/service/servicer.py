@@ -34,6 +34,7 @@ from handoff_server.ops.metrics import Metrics
 from handoff_server.ops.tracecontext import trace_context
 from handoff_server.service import bindings, convert
 from handoff_server.service.guard import HOLDER
+from handoff_server.service.linger import Linger, Wake
 from handoff_server.service.newcomers import Newcomers
 from handoff_server.service.shards import Misrouted, Shards
 
@@ -265,7 +266,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.StreamActionsRequest,
         context: grpc.aio.ServicerContext[pb.StreamActionsRequest, pb.Action],
     ) -> AsyncIterator[pb.Action]:
-        ready = asyncio.Event()
+        ready = Wake()
         try:
             subscription = self._subscribe(
                 request.engine_id, request.incarnation, request.session_id, ready.set
@@ -311,7 +312,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self,
         context: grpc.aio.ServicerContext[Any, Message],
         subscription: Subscription,
-        ready: asyncio.Event,
+        ready: Wake,
         beat: Heartbeat | None,
         render: Callable[[list[Dispatch]], Sequence[Message]],
         heartbeat: Callable[[], Message],
@@ -321,8 +322,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         ``subscription`` is owed, ``render``-ed, each batch after the durability
         barrier; a heartbeat only where it would otherwise wait; until the
         stream is replaced or ``finished`` says it is done."""
+        linger = Linger(self.registry.settings.stream_linger_ms / 1000)
         while True:
             ready.clear()
+            await linger.wait()
             dispatches = self.registry.take(subscription, STREAM_BATCH)
             if dispatches is None:
                 return  # replaced by a newer stream for this engine
@@ -331,6 +334,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 await self.durably(context)
                 for message in messages:
                     yield message
+                linger.wrote()
                 if beat is not None:
                     beat.written = True
                 continue
@@ -340,6 +344,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 yield heartbeat()
                 continue
             await ready.wait()
+            linger.woke(ready)
 
     async def Connect(
         self,
@@ -347,7 +352,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
         first = await anext(aiter(request_iterator), None)
-        ready = asyncio.Event()
+        ready = Wake()
         try:
             hello = _hello(first)
             subscription = self._subscribe(
