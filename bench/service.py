@@ -309,10 +309,14 @@ def run_phases(
                     say(f"round {round_} max rate: {label(spec)} path, {name}, {window} s")
                     mode = f"max ({plan.concurrency} in flight)"
                     rounds[-1].append(drive(pool, args.clients, servers[name], spec, mode))
-        measured += [median_round(rounds, key) for key in dict.fromkeys(keys(rounds[0]))]
-        for m in measured:
-            if m.server == "service" and (m.path == "unary" or "batched" in m.path):
-                max_rate["stream" if m.path != "unary" else "unary"] = m.rate
+        medians = {
+            key: median_round(rounds, key)
+            for key in dict.fromkeys((m.path, m.server) for m in rounds[0])
+        }
+        measured += medians.values()
+        # Each path's max rate as the SDK uses it: batched on the stream.
+        for path, batch in (("stream", True), ("unary", False)):
+            max_rate[path] = medians[label(replace(base, path=path, batch=batch)), "service"].rate
     if "latency" in phases:
         for path in ("stream", "unary"):
             rate = max_rate[path] / 2
@@ -562,10 +566,6 @@ def throughput_table(measured: list[Measured]) -> list[str]:
         "unary calls alike, over the same handoffs.",
     ]
     return lines
-
-
-def keys(measured: Sequence[Measured]) -> list[tuple[str, str]]:
-    return [(m.path, m.server) for m in measured]
 
 
 def median_round(rounds: Sequence[Sequence[Measured]], key: tuple[str, str]) -> Measured:

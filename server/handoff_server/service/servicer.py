@@ -320,8 +320,9 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
     ) -> AsyncIterator[Message]:
         """The one writer of both engine streams (StreamActions, Connect): what
         ``subscription`` is owed, ``render``-ed, each batch after the durability
-        barrier; a heartbeat only where it would otherwise wait; until the
-        stream is replaced or ``finished`` says it is done."""
+        barrier and, while the loop is behind, the linger (linger.py); a
+        heartbeat only where it would otherwise wait; until the stream is
+        replaced or ``finished`` says it is done."""
         linger = Linger(self.registry.settings.stream_linger_ms / 1000)
         while True:
             ready.clear()
