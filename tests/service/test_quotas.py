@@ -116,14 +116,43 @@ def test_what_is_held_never_exceeds_the_limit_and_all_of_it_is_returned(
 def test_calls_of_every_rpc_are_rate_limited_per_identity() -> None:
     clock = FakeClock(1000.0)
     q = Quotas(calls=100, active=2, starts_per_s=4.0, calls_per_s=3.0, clock=clock)
-    assert [q.arrive("a", "GetShardMap") for _ in range(3)] == [None] * 3
+    assert [q.arrive("a", "GetShardMap") for _ in range(3)] == [0.0] * 3
     assert q.arrive("a", "Reconcile") == (
         "a makes more than 3 calls per second (Reconcile refused), the limit per identity "
         "(max_calls_per_s_per_identity)"
     )
-    assert q.arrive("b", "Reconcile") is None  # another identity has its own allowance
+    assert q.arrive("b", "Reconcile") == 0.0  # another identity has its own allowance
     clock.now += 1 / 3
-    assert q.arrive("a", "Reconcile") is None
+    assert q.arrive("a", "Reconcile") == 0.0
+
+
+def test_a_call_past_its_rate_waits_its_turn_within_rate_wait_s() -> None:
+    clock = FakeClock(1000.0)
+    q = Quotas(calls=100, active=2, starts_per_s=4.0, calls_per_s=4.0, rate_wait_s=0.5, clock=clock)
+    assert [q.arrive("a", "GetShardMap", 10.0) for _ in range(4)] == [0.0] * 4  # the burst
+    # Past it, each call's turn comes a quarter second after the one before...
+    assert [q.arrive("a", "GetShardMap", 10.0) for _ in range(2)] == [0.25, 0.5]
+    # ...until the next would wait longer than rate_wait_s: refused, nothing taken.
+    assert q.arrive("a", "GetShardMap", 10.0) == (
+        "a makes more than 4 calls per second (GetShardMap refused), the limit per identity "
+        "(max_calls_per_s_per_identity); its turn was more than 0.5 s away (rate_wait_s)"
+    )
+    # A call with less time left than its wait is refused rather than left to time out.
+    clock.now += 0.25
+    refusal = q.arrive("a", "Reconcile", 0.1)
+    assert isinstance(refusal, str), refusal
+    assert "its turn was more than 0.1 s away (rate_wait_s)" in refusal, refusal
+    assert q.arrive("a", "Reconcile", 10.0) == 0.5
+    assert q.arrive("b", "Reconcile", 10.0) == 0.0  # another identity waits for nobody
+    # Waiting calls count as arriving ones: at most max_calls_per_identity of them.
+    full = Quotas(
+        calls=2, active=2, starts_per_s=4.0, calls_per_s=1.0, rate_wait_s=5.0, clock=clock
+    )
+    assert [full.arrive("a", "GetShardMap", 10.0) for _ in range(2)] == [0.0, 1.0]
+    assert full.arrive("a", "GetShardMap", 10.0) == (
+        "a has 2 calls waiting for their first message or their turn, the limit per "
+        "identity (max_calls_per_identity)"
+    )
 
 
 def test_connect_reports_past_their_rate_are_delayed_not_refused() -> None:

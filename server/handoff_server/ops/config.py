@@ -219,6 +219,11 @@ class Settings:
         "calls of any RPC per second per caller identity, counted as they arrive (bursts of "
         "one second's worth); about two thirds of the unary calls one shard serves",
     )
+    rate_wait_s: float = _setting(
+        1.0,
+        "a call past its identity's calls per second waits for its turn up to this long "
+        "(never past its deadline) before it is refused; 0 refuses at once",
+    )
     max_reports_per_s_per_identity: float = _setting(
         2000.0,
         "reports carried by Connect messages per second per caller identity (bursts of one "

@@ -146,6 +146,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.calls_paced = Counter(
+            "handoff_calls_paced",
+            "Calls that waited for their turn because their caller identity reached its rate "
+            "of calls (--max-calls-per-s-per-identity), each at most --rate-wait-s.",
+            registry=r,
+        )
         self.reports_paced = Counter(
             "handoff_reports_paced",
             "Connect messages held back because their caller identity reached its rate of "

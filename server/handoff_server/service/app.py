@@ -102,6 +102,7 @@ class Server:
             starts_per_s=settings.max_starts_per_s_per_identity,
             calls_per_s=settings.max_calls_per_s_per_identity,
             reports_per_s=settings.max_reports_per_s_per_identity,
+            rate_wait_s=settings.rate_wait_s,
             clock=self.clock,
         )
         self.registry.on_finished(self.quotas.finished)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -233,12 +234,38 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if caller is not None:
             bindings.CALLER.set(caller)
         if held.identity is not None:
-            refusal = self.quotas.arrive(held.identity, rpc)
-            if refusal is not None:
+            left_s = context.time_remaining()
+            turn = self.quotas.arrive(held.identity, rpc, math.inf if left_s is None else left_s)
+            if isinstance(turn, str):
                 slot.leave()
-                await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+                await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, turn)
             held.arriving = True
+            if turn > 0:
+                await self._wait_turn(rpc, context, held, turn)
         return held
+
+    async def _wait_turn(self, rpc: str, context: Context, held: Held, wait_s: float) -> None:
+        """Hold a call past its identity's rate of calls until its turn: the
+        caller is slowed to its rate, where a refusal at once would be tried
+        again at once, each try costing a call, and its waiting calls take
+        their connections' streams (max_concurrent_streams), not other
+        callers' place in the transport's queue. A newer arrival may still
+        end it (Budget), as it may end any call without its message."""
+        self.metrics.calls_paced.inc()
+        evicted = asyncio.Event()
+        held.slot.on_evict = evicted.set
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await evicted.wait()
+        except BaseException:
+            self._leave(held)  # canceled by its caller while it waited
+            raise
+        if held.slot.evicted:
+            self._leave(held)
+            await self._refuse(
+                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, held.slot.budget.eviction()
+            )
 
     async def _first(
         self, rpc: str, requests: AsyncIterator[Any], context: Context, held: Held

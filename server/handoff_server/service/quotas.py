@@ -2,11 +2,15 @@
 kind, and per caller identity (calls, engines, active handoffs, and the rates
 of calls, starts and Connect reports).
 
-Calls past a limit are refused rather than queued: the caller hears so at
-once (RESOURCE_EXHAUSTED naming the setting) and may retry, while the calls
-already admitted carry on. Connect reports past their rate are the one
-exception: :meth:`Quotas.report_delay_s` says how long the stream should wait
-before reading on. Nothing here awaits or reads a clock of its own.
+Calls past a limit of what is held are refused rather than queued: the
+caller hears so at once (RESOURCE_EXHAUSTED naming the setting) and may
+retry, while the calls already admitted carry on. Rates are the exception:
+a call past its identity's rate of calls waits its turn (at most
+``rate_wait_s``, :meth:`Quotas.arrive`), and Connect reports past theirs hold
+their stream back (:meth:`Quotas.report_delay_s`), so that a caller asking
+faster than its rate is slowed to it instead of costing a refusal per try,
+and its calls wait in the server's memory, not in the transport's queue
+ahead of other callers'. Nothing here awaits or reads a clock of its own.
 """
 
 from __future__ import annotations
@@ -121,6 +125,15 @@ class Allowance:
         self.left -= 1.0
         return True
 
+    def reserve(self, rate: Rate, now: float, most_s: float) -> float | None:
+        """Take one, into debt if it is paid within ``most_s``: the seconds until
+        it is (0: at once); None, and nothing taken, past that."""
+        left = self.refill(rate, now) - 1.0
+        if left < 0.0 and -left / rate.per_s > most_s:
+            return None
+        self.left = left
+        return max(0.0, -left / rate.per_s)
+
     def owe(self, rate: Rate, now: float, count: int) -> float:
         """Take ``count`` at once, into debt if need be; the seconds until the
         debt is paid (0: none)."""
@@ -190,9 +203,11 @@ class Quotas:
         starts_per_s: float,
         calls_per_s: float = 1_000_000.0,
         reports_per_s: float = 1_000_000.0,
+        rate_wait_s: float = 0.0,
         clock: Callable[[], float],
     ) -> None:
         self.calls = calls
+        self.rate_wait_s = rate_wait_s
         self.engines = engines
         self.active = active
         self.rates = Rates(
@@ -217,26 +232,32 @@ class Quotas:
 
     # --- calls -------------------------------------------------------------
 
-    def arrive(self, identity: str, rpc: str) -> str | None:
+    def arrive(self, identity: str, rpc: str, within_s: float = 0.0) -> float | str:
         """Count a call of ``rpc`` that arrived and has not sent its first
-        message yet: within the identity's rate of calls, and at most
-        ``calls`` such calls per identity apart from those it holds with a
-        message (so that a stream replacing its engine's is still admitted)."""
+        message yet, at most ``calls`` such calls per identity apart from those
+        it holds with a message (so that a stream replacing its engine's is
+        still admitted). Within the identity's rate of calls: the seconds it
+        waits for its turn first (0: none), at most the lesser of ``within_s``
+        (the call's time left) and ``rate_wait_s``; the refusal's reason past
+        that, or when the identity has its limit of such calls."""
         usage = self._of(identity)
-        rate = self.rates.calls
-        if not usage.rpcs.take(rate, self.clock()):
-            return (
-                f"{identity} makes more than {rate.per_s:g} calls per second ({rpc} refused), "
-                f"the limit per identity ({rate.setting})"
-            )
         if usage.arriving >= self.calls:
             self._tidy(identity, usage)
             return (
-                f"{identity} has {usage.arriving} calls waiting for their first message, "
-                "the limit per identity (max_calls_per_identity)"
+                f"{identity} has {usage.arriving} calls waiting for their first message or "
+                "their turn, the limit per identity (max_calls_per_identity)"
+            )
+        rate, most_s = self.rates.calls, min(within_s, self.rate_wait_s)
+        wait_s = usage.rpcs.reserve(rate, self.clock(), most_s)
+        if wait_s is None:
+            self._tidy(identity, usage)
+            turn = f"; its turn was more than {most_s:g} s away (rate_wait_s)" if most_s else ""
+            return (
+                f"{identity} makes more than {rate.per_s:g} calls per second ({rpc} refused), "
+                f"the limit per identity ({rate.setting}){turn}"
             )
         usage.arriving += 1
-        return None
+        return wait_s
 
     def arrived(self, identity: str) -> None:
         """The call's first message came (or it ended without one)."""
