@@ -1533,10 +1533,13 @@ async def test_reset_and_continuation_floods_leave_the_log_bounded(served: Serve
     in 3 s, the client at 0.3 handoffs a second against 140 to 160 before
     (0.00), with gRPC's protections on (overload protection, 32 new streams
     per read, a PING per 100 resets) and with max_concurrent_streams 100:
-    each reset stream still reaches the Python server, which handles as many
-    as its loop can take (2 s of CPU in 3 s on the main thread). A proxy in
-    front (per-connection stream rate), or the NetworkPolicy, is the answer
-    for now (docs/security.md)."""
+    each reset stream still reaches the Python server, which takes its calls
+    from gRPC's core one at a time, about 0.2 ms apart, so every stream the
+    flood keeps queued delays the other callers' calls (docs/limits.md,
+    "HTTP/2": 8,750 resets a second made another caller's call take 200 ms
+    at the default max_concurrent_streams, 15 ms at 100). A proxy in front
+    (per-connection stream rate), a lower --max-concurrent-streams, and the
+    NetworkPolicy are the answer for now (docs/security.md)."""
     async with (
         asyncio.timeout(TIMEOUT_S),
         contextlib.AsyncExitStack() as stack,
