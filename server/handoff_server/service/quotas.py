@@ -251,7 +251,7 @@ class Quotas:
         wait_s = usage.rpcs.reserve(rate, self.clock(), most_s)
         if wait_s is None:
             self._tidy(identity, usage)
-            turn = f"; its turn was more than {most_s:g} s away (rate_wait_s)" if most_s else ""
+            turn = f"; its turn was more than {most_s:.3g} s away (rate_wait_s)" if most_s else ""
             return (
                 f"{identity} makes more than {rate.per_s:g} calls per second ({rpc} refused), "
                 f"the limit per identity ({rate.setting}){turn}"
