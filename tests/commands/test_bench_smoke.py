@@ -2,40 +2,20 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.support.vectors import ROOT
+from tests.support.processes import bench_output
 
 
 def test_quick_bench_prints_its_table() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.service", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    out = bench_output("bench.service", "--quick")
     for heading in ("| path | server | load | handoffs/s", "| memory | handoffs", "Soak:"):
-        assert heading in run.stdout, run.stdout
+        assert heading in out, out
     for path in ("stream (batched)", "stream (one per message)", "unary"):
         for server in ("service", "floor"):
-            assert f"| {path} | {server} | max" in run.stdout, run.stdout
+            assert f"| {path} | {server} | max" in out, out
 
 
 def test_quick_shard_comparison_prints_its_figures() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.service", "--quick", "--shards", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+    out = bench_output("bench.service", "--quick", "--shards", "2")
     assert "| round | load per shard | shards | shard | handoffs/s" in out, out
     for mode in ("max", "100/s"):
         assert f"| 1 | {mode} | 1 | shard x1 |" in out, out
@@ -50,17 +30,8 @@ def test_quick_shard_comparison_prints_its_figures() -> None:
     assert "- capacity model:" in out
 
 
-def test_quick_critical_path_prints_every_hop() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "bench.critical", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    out = run.stdout
+def test_quick_critical_path_prints_a_row_for_each_setup_and_named_hops() -> None:
+    out = bench_output("bench.critical", "--quick")
     assert "| path | journal | load | handoffs/s | hop | samples | p50 ms | p99 ms |" in out, out
     rows = out.splitlines()
     # Every setup measured at both fractions of its own max rate: each path,

@@ -28,3 +28,18 @@ def serve_process(port: int, log: Path, *flags: str) -> subprocess.Popen[bytes]:
         *flags,
     ]
     return subprocess.Popen(command, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def bench_output(module: str, *flags: str, timeout_s: float = 110.0) -> str:
+    """What ``python -m MODULE FLAGS`` (a benchmark's smoke run) printed, once
+    it exited 0; its stderr's tail is the failure's message otherwise."""
+    run = subprocess.run(
+        [sys.executable, "-m", module, *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
