@@ -119,11 +119,8 @@ class Allowance:
         return self.left
 
     def take(self, rate: Rate, now: float) -> bool:
-        """One more, if the identity has it left."""
-        if self.refill(rate, now) < 1.0:
-            return False
-        self.left -= 1.0
-        return True
+        """One more, if the identity has it left (no debt)."""
+        return self.reserve(rate, now, 0.0) is not None
 
     def reserve(self, rate: Rate, now: float, most_s: float) -> float | None:
         """Take one, into debt if it is paid within ``most_s``: the seconds until
