@@ -1,4 +1,4 @@
-"""Real ``handoff serve`` processes, for the tests that kill one."""
+"""Real processes for tests: `handoff serve` (for the tests that kill one), benchmark runs."""
 
 from __future__ import annotations
 
