@@ -25,6 +25,7 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.commands.serve import loop_factory
 from handoff_server.ops.config import Settings, env_name
+from handoff_server.service import methods
 from handoff_server.service.convert import reports_of
 from handoff_server.service.linger import Linger, Wake
 
@@ -228,7 +229,9 @@ END = pb.ConnectResponse()  # sentinel: never sent, ends the Connect response st
 
 async def serve(host: str, port: int, linger_s: float) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_HandoffCoordinatorServicer_to_server(Floor(linger_s), server)
+    # Registered by name as the service's are (service/methods.py).
+    handlers = methods.coordinator_handlers(Floor(linger_s))
+    methods.register(server, methods.COORDINATOR.full_name, handlers)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     # The same line `handoff serve` logs, so one parser finds either's port.

@@ -13,5 +13,7 @@
 - ``exposition``: the ``/metrics`` endpoint on the event loop.
 - ``shards``: this process's shard, the refusal of a misrouted start, and the
   shard map it serves.
+- ``methods``: each RPC registered with gRPC by name, a queue of its own in
+  gRPC's core, so a flood of one RPC delays no other.
 - ``app``: the running server: wiring, recovery on start, the timers loop, drain on stop.
 """

@@ -14,8 +14,6 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from handoff_proto.v1 import coordinator_pb2 as pb
-from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.domain.registry import Clock, Registry
 from handoff_server.durability.journal import Journal, fresh_incarnation
 from handoff_server.durability.records import JournalRecorder
@@ -24,17 +22,16 @@ from handoff_server.durability.space import Headroom
 from handoff_server.ops import tracing
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import bindings, exposure, security
+from handoff_server.service import bindings, exposure, methods, probes, security
 from handoff_server.service.exposition import MetricsEndpoint
 from handoff_server.service.guard import EXCLUSIVE_PORT, EngineStreams, Guard, grpc_options
-from handoff_server.service.probes import HealthGate
 from handoff_server.service.quotas import Budget, Quotas
 from handoff_server.service.servicer import Servicer
 from handoff_server.service.shards import ShardIdentity, Shards, hostname
 
 log = logging.getLogger("handoff.server")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["HandoffCoordinator"].full_name
+SERVICE_NAME = methods.COORDINATOR.full_name
 
 
 class WallClock:
@@ -214,8 +211,8 @@ class Server:
             # calls refused before either counts them (a missing token).
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs + self._health_calls(),
         )
-        pb_grpc.add_HandoffCoordinatorServicer_to_server(self._servicer(), server)
-        server.add_generic_rpc_handlers((self._health_gate().handler(),))
+        methods.register(server, SERVICE_NAME, methods.coordinator_handlers(self._servicer()))
+        methods.register(server, probes.SERVICE, self._health_gate().handlers())
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -294,16 +291,16 @@ class Server:
             ],
             maximum_concurrent_rpcs=self._health_calls(),
         )
-        server.add_generic_rpc_handlers((self._health_gate().handler(),))
+        methods.register(server, probes.SERVICE, self._health_gate().handlers())
         address = f"{settings.health_host}:{settings.health_port}"
         with _bind_errors("health", address):
             self.health_port = server.add_insecure_port(address)
         return server
 
-    def _health_gate(self) -> HealthGate:
+    def _health_gate(self) -> probes.HealthGate:
         """Health for one port, on budgets of that port's own."""
         settings = self.settings
-        return HealthGate(
+        return probes.HealthGate(
             self.health,
             checks=settings.max_health_checks,
             watches=settings.max_health_watches,

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from handoff_server.service.arrival import first_message
+from handoff_server.service.methods import Handler
 from handoff_server.service.quotas import Budget, Slot
 
 SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -40,20 +41,18 @@ class HealthGate:
         self.watches = Budget("health watches", watches, "max_health_watches")
         self.request_within_s = request_within_s
 
-    def handler(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
+    def handlers(self) -> dict[str, Handler]:
+        """Check and Watch by name (register them with :func:`methods.register`)."""
         # Both methods are registered as client-streaming, whatever their
         # shape on the wire, so that they start when the call does and can
         # end a call whose request never comes (a unary handler would only
         # start once the request had arrived, holding a slot until then).
         request = health_pb2.HealthCheckRequest.FromString
         response = health_pb2.HealthCheckResponse.SerializeToString
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Check": grpc.stream_unary_rpc_method_handler(self._check, request, response),
-                "Watch": grpc.stream_stream_rpc_method_handler(self._watch, request, response),
-            },
-        )
+        return {
+            "Check": grpc.stream_unary_rpc_method_handler(self._check, request, response),
+            "Watch": grpc.stream_stream_rpc_method_handler(self._watch, request, response),
+        }
 
     async def _check(
         self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: Context
