@@ -240,6 +240,32 @@ def test_a_burst_of_abandonments_is_one_line_then_one_summary(
     assert all(r.levelno == logging.ERROR for r in caplog.records)
 
 
+def test_a_cancellation_is_logged_with_its_reason_and_a_success_only_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    h = Harness()
+    succeeded, canceled = h.start(), h.start()
+    with caplog.at_level(logging.INFO, logger="handoff.registry"):
+        h.succeed(succeeded)
+        h.registry.report_fact(canceled, Canceled(), detail="client went away")
+        h.registry.report_outcome(canceled, 0, SUBMITTED)  # the prefill's cancel is
+        h.registry.report_outcome(canceled, 1, APPLIED)  # acknowledged: complete
+    assert h.registry.get(succeeded).core.completion is Completion.SUCCESS
+    assert h.registry.get(canceled).core.completion is Completion.CANCELED
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "handoff complete: canceled (frontend_canceled: 'client went away')"
+    )
+    assert getattr(record, "handoff_id") == canceled  # noqa: B009
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="handoff.registry"):
+        h.succeed(h.start())
+    assert [r.getMessage() for r in caplog.records if "complete" in r.getMessage()] == [
+        "handoff complete: success"
+    ]
+
+
 def test_retention_answers_late_reports_and_blocks_id_reuse_until_it_expires() -> None:
     h = Harness(retention_s=600.0)
     handoff_id = h.start()
