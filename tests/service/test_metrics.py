@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import subprocess
 import urllib.parse
 import urllib.request
@@ -21,6 +19,7 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.service.app import Server
 from tests.support.fakes import free_port
+from tests.support.processes import debian_binary
 from tests.support.rpc import CANCELED, start_request, succeed
 
 
@@ -109,12 +108,7 @@ async def test_exact_metric_values_after_a_scripted_scenario(server: Server) -> 
 
 @pytest.fixture
 def prometheus_binary() -> str:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("Debian's prometheus package must be installed in CI (see .ci/run)")
-        pytest.skip("prometheus is not installed (apt-get install prometheus)")
-    return binary
+    return debian_binary("prometheus", "prometheus")
 
 
 @pytest.fixture

@@ -1,10 +1,15 @@
-"""Real processes for tests: `handoff serve` (for the tests that kill one), benchmark runs."""
+"""Real processes for tests: `handoff serve` (for the tests that kill one),
+benchmark runs, the Debian programs the tests run beside the service."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,3 +48,14 @@ def bench_output(module: str, *flags: str, timeout_s: float = 110.0) -> str:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout
+
+
+def debian_binary(command: str, package: str) -> str:
+    """The path of ``command``, from Debian's ``package``: .ci/run installs it,
+    so in CI a missing one fails the test; elsewhere the test is skipped."""
+    binary = shutil.which(command)
+    if binary is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Debian's {package} package must be installed in CI (see .ci/run)")
+        pytest.skip(f"{command} is not installed (apt-get install {package})")
+    return binary
