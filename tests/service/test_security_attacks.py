@@ -1569,19 +1569,19 @@ async def test_a_reset_flood_of_one_rpc_delays_no_other_rpc(served: Served) -> N
     light flood docs/limits.md measures) for 3 s. gRPC's core keeps the calls
     the Python server has not taken yet in one queue per registered method
     (service/methods.py), so the flood waits behind itself: the well-behaved
-    client (StartHandoff, ReportFact, ReportOutcome, its engine streams) keeps
-    its rate and a health Check on the service port answers at once.
+    client, a frontend with 40 handoffs a second of work (StartHandoff,
+    ReportFact, ReportOutcome, its engine streams), keeps at least 90 % of its
+    rate and a health Check on the service port answers at once.
 
-    Measured on the 2-core machine: the client kept 0.84 to 1.02 of its
-    rate, Checks took 1.5 ms at the median and 4.6 ms at most; with every
-    RPC behind generic handlers (one queue, as before) 0.007, and Checks
-    175 ms at the median."""
+    Measured on the 2-core machine: the client kept 0.999 of its rate (0.997
+    beside a CPU burner), Checks took 19 ms at most; with every RPC behind
+    generic handlers (one queue, as before) 0.017, Checks up to 217 ms."""
     loop = asyncio.get_running_loop()
     async with (
         asyncio.timeout(TIMEOUT_S),
         contextlib.AsyncExitStack() as stack,
         grpc.aio.insecure_channel(served.target) as good,
-        alongside(good, bearer(TOKEN)) as client,
+        alongside(good, bearer(TOKEN), per_s=40.0) as client,
     ):
         attack = await stack.enter_async_context(attacker())
         await client.completed_at_least(MIN_COMPLETED)
@@ -1604,7 +1604,7 @@ async def test_a_reset_flood_of_one_rpc_delays_no_other_rpc(served: Served) -> N
         with contextlib.suppress(asyncio.CancelledError):
             await probing
         assert opened >= 8750 * 3 // 2, opened
-        assert kept >= 0.6, kept
+        assert kept >= 0.9, kept
         assert len(waits) >= 20, waits
         assert max(waits) < 0.1, sorted(waits)[-5:]
         assert_unharmed(client, served)
