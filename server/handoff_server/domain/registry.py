@@ -631,8 +631,8 @@ class Registry:
             self.recorder.completed(retained, now)
             self.retention.keep(retained)
             if completion is Completion.SUCCESS:
-                # The usual end, one a handoff: counted and traced, not a
-                # line a handoff in the log (hundreds a second per shard).
+                # The usual end: counted (handoff_completed_total) and
+                # traced, not a log line each (hundreds a second per shard).
                 log.debug("handoff complete: success", extra={"handoff_id": entry.handoff_id})
             else:
                 log.log(

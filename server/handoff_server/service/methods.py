@@ -2,12 +2,12 @@
 
 gRPC's core holds the calls that have arrived and that the Python server has
 not taken yet in one queue per registered method, and the Python server takes
-each queue's calls one at a time. Behind generic handlers (all the committed
-stubs register: their generator is the one whose code still imports on the
-SDK's oldest grpcio) every method shares one queue, so a peer that keeps one
-method's calls queued (HTTP/2 rapid reset needs no token) delays every other
-caller's calls of every method, health checks on the service port included.
-Registered, such a flood delays only the calls of the method it floods.
+each queue's calls one at a time. The committed stubs register a generic
+handler only (they come from the generator whose code still imports on the
+SDK's oldest grpcio), and behind generic handlers every method shares one
+queue: a peer that keeps one method's calls queued (HTTP/2 rapid reset needs
+no token) would delay every caller's calls of every method, health checks on
+the service port included. Registered, it delays only the method it floods.
 """
 
 from __future__ import annotations
