@@ -34,6 +34,8 @@ from tests.support.fakes import free_port
 from tests.support.rpc import ACCEPTED, APPLIED, HELD, RESERVED, SCHEDULED, SUBMITTED, TRANSFERRED
 from tests.support.security import Stub
 
+R = TypeVar("R")
+
 START_WITHIN_S = 20.0
 BIND_ATTEMPTS = 3
 # Each handoff of the well-behaved client must finish within this, attack or not.
@@ -302,6 +304,18 @@ async def rate(client: WellBehaved, seconds: float) -> float:
     return (client.completed - before) / (loop.time() - began)
 
 
+async def rate_kept(
+    client: WellBehaved, attack: Awaitable[R], before_s: float = 1.5
+) -> tuple[R, float]:
+    """The client's rate over ``before_s``, then ``attack`` awaited: its
+    result, and the share of that rate the client kept while it ran."""
+    before = await rate(client, before_s)
+    loop = asyncio.get_running_loop()
+    began, completed = loop.time(), client.completed
+    result = await attack
+    return result, (client.completed - completed) / (loop.time() - began) / before
+
+
 async def metric(served: Served, name: str) -> float:
     """The sum of the samples of ``name`` on the server's /metrics (0 if absent)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", served.metrics_port)
@@ -313,9 +327,6 @@ async def metric(served: Served, name: str) -> float:
         if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-R = TypeVar("R")
 
 
 def _run(attack: Callable[..., Awaitable[R]], *args: object) -> R:
