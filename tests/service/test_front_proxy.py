@@ -95,7 +95,7 @@ async def test_a_rapid_reset_flood_through_the_proxy_leaves_the_rpc_its_rate(
     streams at 8,750 a second, through the proxy, for 3 s, while the
     well-behaved client, a frontend with 40 handoffs a second of work,
     starts its handoffs through the proxy too. Straight to the coordinator
-    this flood leaves such a client 0.06 of its rate (each RPC's calls are
+    this flood leaves such a client 0.15 of its rate (each RPC's calls are
     taken one at a time, docs/limits.md, "HTTP/2"); the proxy closes each
     attacker connection after its limit of resets, and the client keeps at
     least 90 % of its rate."""
