@@ -18,6 +18,7 @@ import pytest
 
 from tests.service.test_security_attacks import (
     GOOD,
+    MIN_COMPLETED,
     TOKEN,
     UNPACED,
     assert_unharmed,
@@ -110,7 +111,7 @@ async def test_a_rapid_reset_flood_through_the_proxy_leaves_the_rpc_its_rate(
         alongside(good, bearer(TOKEN), per_s=40.0) as client,
     ):
         attack = await stack.enter_async_context(attacker("tests.service.test_front_proxy"))
-        await client.completed_at_least(3)
+        await client.completed_at_least(MIN_COMPLETED)
         flood = attack(reset_floods, port, 3.0, "StartHandoff", 8750.0)
         (opened, connections), kept = await rate_kept(client, flood)
         assert opened >= 8750 * 3 // 2, opened
