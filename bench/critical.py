@@ -12,20 +12,28 @@ sent to the action received by its engine, so the client's own queueing is
 included and the figures bound the coordinator's share from above.
 
 Run: .venv/bin/python -m bench.critical   (--quick: a smoke run of a few seconds)
+
+With ``--against BEFORE`` (another checkout, as for bench/ab.py) it compares
+that tree's server with this one's instead, both with the journal on (the
+journal's own latency varies most), at the same paced rate on each path,
+rounds alternating which goes first: each round's fact→action p50 and p99.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import statistics
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.pool import Pool
+from pathlib import Path
 
+from bench.ab import baseline_server
 from bench.load import LoadSpec
 from bench.procs import ServerProcess
-from bench.service import Measured, drive, load_average, ms, percentile, say
+from bench.service import Measured, drive, label, load_average, ms, percentile, say
 
 FRACTIONS = (0.5, 0.8)
 QUICK_COUNT = 64  # --quick: the max rate over this many handoffs, however slow the machine
@@ -56,7 +64,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     parser.add_argument("--duration-s", type=float, help="each measured window (default 10)")
     parser.add_argument("--concurrency", type=int, default=128, help="in flight at max rate")
+    parser.add_argument(
+        "--against", type=Path, help="another checkout: compare its server with this one's"
+    )
+    parser.add_argument("--rounds", type=int, default=6, help="--against: alternating rounds")
+    parser.add_argument(
+        "--rates",
+        default="350,130",
+        help="--against: the paced handoffs/s, batched stream then unary (about half the max)",
+    )
     args = parser.parse_args(argv)
+    if args.against is not None:
+        return against(args)
     duration = args.duration_s or (0.6 if args.quick else 10.0)
     base = LoadSpec(
         target="",
@@ -93,6 +112,65 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Load average {load_before} before, {load_average()} after; {duration} s windows.")
     print()
     print("\n".join(table(runs)))
+    return 0
+
+
+def against(args: argparse.Namespace) -> int:
+    """This tree's server against another checkout's, journal on, paced alike."""
+    stream_rate, unary_rate = (float(rate) for rate in args.rates.split(","))
+    base = LoadSpec(
+        target="",
+        path="stream",
+        concurrency=args.concurrency,
+        duration_s=args.duration_s or (0.6 if args.quick else 10.0),
+        warmup_s=0.2 if args.quick else 2.0,
+    )
+    specs = [
+        replace(base, batch=True, rate=stream_rate),
+        replace(base, path="unary", batch=False, rate=unary_rate),
+    ]
+    samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    load_before = load_average()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-critical-") as before_state,
+        tempfile.TemporaryDirectory(prefix="bench-critical-") as after_state,
+    ):
+        servers = {
+            "before": baseline_server(args.against.resolve(), "--state-dir", before_state),
+            "after": ServerProcess.service("--state-dir", after_state, name="after"),
+        }
+        try:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                for server in servers.values():
+                    drive(pool, 1, server, replace(base, duration_s=base.warmup_s), "warm-up")
+                for round_ in range(args.rounds):
+                    order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
+                    for spec in specs:
+                        for name in order:
+                            m = drive(pool, 1, servers[name], spec, f"{spec.rate:,.0f}/s")
+                            latency = m.result.fact_to_action_s
+                            p50, p99 = percentile(latency, 0.5), percentile(latency, 0.99)
+                            samples.setdefault((label(spec), name), []).append((p50, p99))
+                            say(f"round {round_} {label(spec)} {name}: p50 {ms(p50)} p99 {ms(p99)}")
+        finally:
+            for server in servers.values():
+                server.stop()
+    print(f"## Fact→action, journal on: {args.against} (before) against this tree (after)")
+    print()
+    print(f"Load average {load_before} before, {load_average()} after; {base.duration_s} s each.")
+    print()
+    print("| path | rate | server | p50 ms per round | p99 ms per round | median p50 / p99 |")
+    print("|---|---|---|---|---|---|")
+    for spec in specs:
+        for name in ("before", "after"):
+            runs = samples[(label(spec), name)]
+            p50s = " / ".join(ms(p50) for p50, _ in runs)
+            p99s = " / ".join(ms(p99) for _, p99 in runs)
+            medians = (
+                f"{ms(statistics.median(p for p, _ in runs))} / "
+                f"{ms(statistics.median(p for _, p in runs))}"
+            )
+            print(f"| {label(spec)} | {spec.rate:,.0f}/s | {name} | {p50s} | {p99s} | {medians} |")
     return 0
 
 

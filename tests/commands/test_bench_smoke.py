@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.support.processes import bench_output
+from tests.support.processes import ROOT, bench_output
 
 
 def test_quick_bench_prints_its_table() -> None:
@@ -55,3 +55,21 @@ def test_quick_critical_path_prints_a_row_for_each_setup_and_named_hops() -> Non
         "DestinationReserved → SubmitPrefill",
         "no samples",
     }, hops
+
+
+def test_quick_critical_path_against_another_tree_prints_both_servers() -> None:
+    # This checkout stands in for the other one: both servers run its code.
+    out = bench_output(
+        "bench.critical", "--quick", "--against", str(ROOT), "--rounds", "1", "--rates", "40,20"
+    )
+    assert "| path | rate | server | p50 ms per round | p99 ms per round |" in out, out
+    for path, rate in (("stream (batched)", "40/s"), ("unary", "20/s")):
+        for server in ("before", "after"):
+            assert f"| {path} | {rate} | {server} | " in out, out
+
+
+def test_the_commit_benchmark_prints_both_ways_of_committing() -> None:
+    out = bench_output("bench.commits", "--rows", "20", "--repeats", "3")
+    assert "| commit of 20 records | on the caller | on a thread |" in out, out
+    for way in ("one INSERT per record", "one per ROWS_PER_STATEMENT"):
+        assert f"| {way} | " in out, out

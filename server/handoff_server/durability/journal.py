@@ -29,14 +29,26 @@ Choices, and why:
   kernel throttles only when the disk falls far behind: far cheaper than
   the hop to a thread and back), so it runs on the
   event loop, except those that may fsync: the one that begins the WAL
-  (its header is synced) and the checkpoint, which copies the WAL into the
-  database and syncs both. SQLite's automatic checkpoint, which would run
-  inside whichever commit crossed 1000 pages, is off; the writer
-  checkpoints on its thread once the WAL passes
-  :data:`WAL_CHECKPOINT_BYTES`, then commits the batch there too (it
-  begins the WAL again). The WAL stays about that size. A batch of more
-  than :data:`LOOP_BATCH_MAX` records also goes to the thread: the
-  streaming path's batches are large, and the loop serves on meanwhile.
+  (its header is synced). A batch of more than :data:`LOOP_BATCH_MAX`
+  records also goes to the thread: the streaming path's batches are large,
+  and the loop serves on meanwhile. There a commit's records (and its
+  departed handoffs) go in one statement per :data:`ROWS_PER_STATEMENT`:
+  on a thread each statement ends in a wait for the GIL, up to Python's
+  switch interval while the loop is busy, and one statement per record
+  made a large batch's commit take hundreds of them. On the loop, one
+  statement per record costs less CPU (SQLite runs a many-row VALUES as a
+  subquery).
+- **Checkpoints beside the commits, not between them.** SQLite's automatic
+  checkpoint, which would run inside whichever commit crossed 1000 pages,
+  is off. Once the WAL passes :data:`WAL_CHECKPOINT_BYTES` a second
+  connection, on a thread of its own, copies it into the database (and
+  syncs both) while commits go on: that copy takes many commits' time, and
+  every call waiting on the barrier would wait for it. The WAL can begin
+  again only once all of it is copied, so the writer's next commit, on its
+  thread, first copies what was committed meanwhile (a few commits' pages),
+  then commits and begins the WAL again (its header is synced). While the
+  copy runs, commits go to the writer's thread too: one may end it and
+  begin the WAL. The WAL stays about that size.
 - **Another writer waits off the loop.** SQLite's busy handler would sleep
   inside the commit, on the event loop, while another process (someone's
   ``sqlite3`` shell) holds a write transaction. Serving, the connection has
@@ -67,7 +79,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from handoff_server.durability import holders, statedir, statelock, torn
 from handoff_server.durability.statedir import JournalError as JournalError
@@ -85,6 +97,7 @@ log = logging.getLogger("handoff.journal")
 # has none, and reads as ended for an unspecified reason.
 FORMAT_VERSION = 3
 DATABASE = "journal.sqlite3"
+CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 READ_BATCH = 10_000
 # SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
@@ -94,6 +107,11 @@ WAL_CHECKPOINT_BYTES = 4 * 2**20
 # fsync: the hop is worth it when the loop would otherwise stop that long
 # (the streaming path's batches; unary calls commit a few at a time).
 LOOP_BATCH_MAX = 32
+# Rows per statement at most in a commit on the writer's thread: each
+# statement there ends in a wait for the GIL. Its statement for each count
+# stays in the connection's cache of prepared statements (CACHED_STATEMENTS).
+ROWS_PER_STATEMENT = 64
+CACHED_STATEMENTS = 256
 # A commit that met another process's write lock is tried again after this,
 # doubling up to the most: a lock held for a moment costs a moment.
 BUSY_FIRST_PAUSE_S = 0.002
@@ -167,6 +185,14 @@ class Journal:
         self._failure: BaseException | None = None
         self._writer: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        # The checkpoint's own connection and thread (opened at the first one),
+        # so commits go on while it copies the WAL; and the one running.
+        self._checkpointer: sqlite3.Connection | None = None
+        self._checkpoint_thread: ThreadPoolExecutor | None = None
+        self._checkpointing: asyncio.Future[None] | None = None
+        # The copy ended: the next commit copies the rest and begins the WAL.
+        self._copied = False
+        self._checkpoint_failure: BaseException | None = None
         self.on_failure: Callable[[BaseException], None] = lambda error: None
         # Another process held the write lock past busy_timeout_s: the server drains.
         self.busy_timeout_s = busy_timeout_s
@@ -178,7 +204,8 @@ class Journal:
         self._reusable_bytes = _reusable_bytes(connection)
         self.commits = 0
         self.committed_items = 0
-        self.checkpoints = 0
+        self.checkpoints = 0  # whole: each a copy beside the commits and its catch-up
+        self.copies = 0
 
     # --- opening ------------------------------------------------------------
 
@@ -330,12 +357,15 @@ class Journal:
         try:
             while True:
                 await self._wanted.wait()
+                if self._checkpoint_failure is not None:
+                    raise self._checkpoint_failure
                 gathering = last_commit + commit_delay_s - loop.time()
                 if gathering > 0:
                     await asyncio.sleep(gathering)
                 self._wanted.clear()
                 reaching = self._appended
                 await self._commit_waiting(loop, self._take_batch())
+                self._checkpoint_if_due(loop)
                 last_commit = loop.time()
                 self.commits += 1
                 self.committed_items += reaching - self._committed
@@ -351,13 +381,23 @@ class Journal:
             self.on_failure(error)
 
     async def _commit_waiting(self, loop: asyncio.AbstractEventLoop, batch: Batch) -> None:
-        """Commit ``batch``: on the loop, or on the thread if it may fsync or is
-        large. While another process holds the write lock, the same batch is
-        tried again after a pause (the loop serves meanwhile); past
+        """Commit ``batch``: on the loop, or on the thread if it is large or may
+        fsync (:meth:`_may_fsync`; a checkpoint's catch-up; while its copy runs).
+        While another process holds the write lock, the same batch is tried
+        again after a pause (the loop serves meanwhile); past
         ``busy_timeout_s`` the server is asked to drain, and the writer goes on
         trying, so a lock released during the drain still lets it end well."""
-        on_thread = len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync()
-        commit = self._commit_checkpointing if on_thread else self._commit
+        catch_up, self._copied = self._copied, False
+        on_thread = (
+            catch_up
+            or self._checkpointing is not None
+            or len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX
+            or self._may_fsync()
+        )
+        if catch_up:
+            commit = self._catch_up_and_commit
+        else:
+            commit = self._commit_on_thread if on_thread else self._commit
         waiting_since: float | None = None
         pause = BUSY_FIRST_PAUSE_S
         while True:
@@ -370,7 +410,8 @@ class Journal:
             except sqlite3.OperationalError as error:
                 if error.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
                     raise
-            commit = self._commit  # a checkpoint, if it was due, has run
+            if catch_up:
+                commit = self._commit_on_thread  # the catch-up has run
             now = loop.time()
             if waiting_since is None:
                 waiting_since = now
@@ -411,12 +452,47 @@ class Journal:
 
     def _may_fsync(self) -> bool:
         """Whether the next commit may fsync: with FULL, each one; with NORMAL,
-        the one that begins the WAL (an empty WAL: just opened, or after a
-        checkpoint), and the one the checkpoint runs before."""
-        if self._fsync_per_commit:
-            return True
-        size = self._wal_bytes()
-        return size == 0 or size >= self._checkpoint_at
+        the one that begins an empty WAL (just opened); the one after a
+        checkpoint is the caller's to know."""
+        return self._fsync_per_commit or self._wal_bytes() == 0
+
+    def _checkpoint_if_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the checkpoint's copy beside the commits if the WAL is past its
+        size and none runs; a failed one stops the writer at its next commit."""
+        if self._checkpointing is not None or self._wal_bytes() < self._checkpoint_at:
+            return
+        if self._checkpoint_thread is None:
+            self._checkpoint_thread = ThreadPoolExecutor(1, thread_name_prefix="handoff-checkpoint")
+        running = loop.run_in_executor(self._checkpoint_thread, self._checkpoint_beside)
+        self._checkpointing = running
+
+        def ended(future: asyncio.Future[None]) -> None:
+            self._checkpointing = None
+            self._copied = True
+            if not future.cancelled() and future.exception() is not None:
+                self._checkpoint_failure = future.exception()
+                self._wanted.set()  # the writer raises it
+
+        running.add_done_callback(ended)
+
+    def _checkpoint_beside(self) -> None:
+        """The copy, on the checkpointer's own connection (on its thread); what
+        is committed meanwhile is left to the catch-up."""
+        if self._checkpointer is None:
+            self._checkpointer = _checkpointer(self.state_dir / DATABASE, self.synchronous)
+        self._checkpointer.execute(CHECKPOINT).fetchone()
+        self.copies += 1
+
+    def _catch_up_and_commit(
+        self,
+        inserts: list[tuple[int, str, float, str]],
+        drops: list[tuple[str, int]],
+        engines: dict[str, str],
+    ) -> None:
+        """After the copy, on the writer's thread: copy the rest, then commit
+        (which begins the WAL again, the copy being whole)."""
+        self._checkpoint(self._db)
+        self._commit_on_thread(inserts, drops, engines)
 
     def _wal_bytes(self) -> int:
         try:
@@ -433,14 +509,15 @@ class Journal:
         """Checkpoint if the WAL has grown past its size, then commit: off the
         event loop (both may fsync)."""
         if self._wal_bytes() >= self._checkpoint_at:
-            self._checkpoint()
+            self._checkpoint(self._db)
         self._commit(inserts, drops, engines)
 
-    def _checkpoint(self) -> None:
-        """Copy the WAL into the database. PASSIVE never waits: a reader of an
-        older snapshot (someone's ``sqlite3`` shell) keeps its frames in the
-        WAL, which then grows until the next try, a WAL's size later."""
-        busy, frames, copied = self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    def _checkpoint(self, db: sqlite3.Connection) -> None:
+        """Copy the WAL into the database, between commits. PASSIVE never
+        waits: a reader of an older snapshot (someone's ``sqlite3`` shell) keeps
+        its frames in the WAL, which then grows until the next try, a WAL's
+        size later."""
+        busy, frames, copied = db.execute(CHECKPOINT).fetchone()
         self.checkpoints += 1
         if busy or copied < frames:
             self._checkpoint_at = self._wal_bytes() + WAL_CHECKPOINT_BYTES
@@ -461,18 +538,26 @@ class Journal:
         inserts: list[tuple[int, str, float, str]],
         drops: list[tuple[str, int]],
         engines: dict[str, str],
+        few_statements: bool = False,
     ) -> None:
-        """One transaction: the batch's records in, its departed handoffs' out.
+        """One transaction: the batch's records in, its departed handoffs' out
+        (each bounded by seq: a handoff id may be reused once its handoff left);
+        in one statement per row, or per ROWS_PER_STATEMENT ``few_statements``.
 
         IMMEDIATE takes the write lock first: another writer's lock fails the
         commit (SQLITE_BUSY) before any work, and the writer tries again."""
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            db.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", inserts)
-            if drops:
-                # Bounded by seq: a handoff id may be reused once its handoff left.
-                db.executemany("DELETE FROM records WHERE handoff_id = ? AND seq < ?", drops)
+            if few_statements:
+                for rows in _slices(inserts):
+                    db.execute(_INSERTS[len(rows)], [value for row in rows for value in row])
+                for gone in _slices(drops):
+                    db.execute(_DELETES[len(gone)], [value for row in gone for value in row])
+            else:
+                db.executemany(INSERT, inserts)
+                if drops:
+                    db.executemany(DELETE, drops)
             if engines:
                 db.executemany("INSERT OR REPLACE INTO engines VALUES (?, ?)", engines.items())
         except BaseException:
@@ -481,6 +566,14 @@ class Journal:
         db.execute("COMMIT")
         if self._measure_reusable:
             self._reusable_bytes = _reusable_bytes(db)
+
+    def _commit_on_thread(
+        self,
+        inserts: list[tuple[int, str, float, str]],
+        drops: list[tuple[str, int]],
+        engines: dict[str, str],
+    ) -> None:
+        self._commit(inserts, drops, engines, few_statements=True)
 
     def reusable_bytes(self) -> int:
         """Bytes of the pages SQLite freed inside the database, as last measured."""
@@ -508,6 +601,7 @@ class Journal:
                 self._writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._writer
+            await self._end_checkpoints()
             if self._executor is None:
                 self.close_now()
             else:
@@ -540,6 +634,21 @@ class Journal:
             durable.cancel()
             held.cancel()
 
+    async def _end_checkpoints(self) -> None:
+        """Let a running checkpoint end, then close its connection and thread."""
+        if self._checkpoint_thread is None:
+            return
+        if self._checkpointing is not None:
+            with contextlib.suppress(Exception):
+                await self._checkpointing
+        if self._checkpointer is not None:
+            checkpointer, self._checkpointer = self._checkpointer, None
+            await asyncio.get_running_loop().run_in_executor(
+                self._checkpoint_thread, checkpointer.close
+            )
+        self._checkpoint_thread.shutdown()
+        self._checkpoint_thread = None
+
     def close_now(self) -> None:
         """Release without committing (start failed, or after close)."""
         with contextlib.suppress(sqlite3.Error):
@@ -547,6 +656,35 @@ class Journal:
         self._db.close()
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
+
+
+INSERT = "INSERT INTO records VALUES (?, ?, ?, ?)"
+DELETE = "DELETE FROM records WHERE handoff_id = ? AND seq < ?"
+# The same for n rows in one statement, for each n up to ROWS_PER_STATEMENT.
+_INSERTS = [
+    "",
+    *(
+        "INSERT INTO records VALUES " + ", ".join(["(?, ?, ?, ?)"] * n)
+        for n in range(1, ROWS_PER_STATEMENT + 1)
+    ),
+]
+_DELETES = [
+    "",
+    *(
+        "WITH gone (handoff_id, seq) AS (VALUES " + ", ".join(["(?, ?)"] * n) + ") "
+        "DELETE FROM records WHERE seq IN (SELECT records.seq FROM gone JOIN records "
+        "ON records.handoff_id = gone.handoff_id AND records.seq < gone.seq)"
+        for n in range(1, ROWS_PER_STATEMENT + 1)
+    ),
+]
+
+
+Row = TypeVar("Row")
+
+
+def _slices(rows: list[Row]) -> Iterator[list[Row]]:
+    for first in range(0, len(rows), ROWS_PER_STATEMENT):
+        yield rows[first : first + ROWS_PER_STATEMENT]
 
 
 def fresh_incarnation() -> int:
@@ -561,7 +699,11 @@ def _connect(path: Path, durability: str, busy_timeout_s: float = 5.0) -> sqlite
     # Autocommit: _commit opens and ends its transactions itself.
     # The busy timeout holds for opening only (not serving yet): Journal.open.
     connection = sqlite3.connect(
-        path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        path,
+        timeout=busy_timeout_s,
+        isolation_level=None,
+        check_same_thread=False,
+        cached_statements=CACHED_STATEMENTS,
     )
     try:
         connection.execute("PRAGMA journal_mode=WAL")
@@ -576,6 +718,15 @@ def _connect(path: Path, durability: str, busy_timeout_s: float = 5.0) -> sqlite
     except BaseException:
         connection.close()
         raise
+    return connection
+
+
+def _checkpointer(path: Path, synchronous: str) -> sqlite3.Connection:
+    """A second connection to the open journal, for checkpoints only: its
+    syncs follow the journal's durability, and it never waits for a lock."""
+    connection = sqlite3.connect(path, timeout=0, isolation_level=None, check_same_thread=False)
+    connection.execute(f"PRAGMA synchronous={synchronous}")
+    connection.execute("PRAGMA wal_autocheckpoint=0")
     return connection
 
 

@@ -296,7 +296,7 @@ class Settings:
 
     def _check_journal(self) -> None:
         if self.journal_reserve_mib != 0 and self.journal_reserve_mib < MIN_JOURNAL_RESERVE_MIB:
-            # The write-ahead log alone grows to 4 MiB between checkpoints.
+            # The write-ahead log alone grows to about 4 MiB between checkpoints.
             raise ValueError(
                 f"journal_reserve_mib must be 0 (never refuse) or at least "
                 f"{MIN_JOURNAL_RESERVE_MIB}, got {self.journal_reserve_mib}"
