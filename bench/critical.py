@@ -14,9 +14,9 @@ included and the figures bound the coordinator's share from above.
 Run: .venv/bin/python -m bench.critical   (--quick: a smoke run of a few seconds)
 
 With ``--against BEFORE`` (another checkout, as for bench/ab.py) it compares
-that tree's server with this one's instead, both with the journal on (the
-journal's own latency varies most), at the same paced rate on each path,
-rounds alternating which goes first: each round's fact→action p50 and p99.
+that tree's server with this one's instead, both with the journal on (or
+off, ``--journal off``), at the same paced rate on each path, rounds
+alternating which goes first: each round's fact→action p50 and p99.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--against", type=Path, help="another checkout: compare its server with this one's"
     )
     parser.add_argument("--rounds", type=int, default=6, help="--against: alternating rounds")
+    parser.add_argument(
+        "--journal", choices=("on", "off"), default="on", help="--against: both servers' journal"
+    )
     parser.add_argument(
         "--rates",
         default="350,130",
@@ -135,9 +138,14 @@ def against(args: argparse.Namespace) -> int:
         tempfile.TemporaryDirectory(prefix="bench-critical-") as before_state,
         tempfile.TemporaryDirectory(prefix="bench-critical-") as after_state,
     ):
+        journal = args.journal == "on"
         servers = {
-            "before": baseline_server(args.against.resolve(), "--state-dir", before_state),
-            "after": ServerProcess.service("--state-dir", after_state, name="after"),
+            "before": baseline_server(
+                args.against.resolve(), *(("--state-dir", before_state) if journal else ())
+            ),
+            "after": ServerProcess.service(
+                *(("--state-dir", after_state) if journal else ()), name="after"
+            ),
         }
         try:
             with multiprocessing.get_context("spawn").Pool(1) as pool:
@@ -155,7 +163,9 @@ def against(args: argparse.Namespace) -> int:
         finally:
             for server in servers.values():
                 server.stop()
-    print(f"## Fact→action, journal on: {args.against} (before) against this tree (after)")
+    print(
+        f"## Fact→action, journal {args.journal}: {args.against} (before) against this tree (after)"
+    )
     print()
     print(f"Load average {load_before} before, {load_average()} after; {base.duration_s} s each.")
     print()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.support.processes import ROOT, bench_output
 
 
@@ -57,11 +59,15 @@ def test_quick_critical_path_prints_a_row_for_each_setup_and_named_hops() -> Non
     }, hops
 
 
-def test_quick_critical_path_against_another_tree_prints_both_servers() -> None:
+@pytest.mark.parametrize("journal", ["on", "off"])
+def test_quick_critical_path_against_another_tree_prints_both_servers(journal: str) -> None:
     # This checkout stands in for the other one: both servers run its code.
     out = bench_output(
-        "bench.critical", "--quick", "--against", str(ROOT), "--rounds", "1", "--rates", "40,20"
+        "bench.critical",
+        *("--quick", "--against", str(ROOT), "--journal", journal),
+        *("--rounds", "1", "--rates", "40,20"),
     )
+    assert f"## Fact→action, journal {journal}: " in out, out
     assert "| path | rate | server | p50 ms per round | p99 ms per round |" in out, out
     for path, rate in (("stream (batched)", "40/s"), ("unary", "20/s")):
         for server in ("before", "after"):
