@@ -142,8 +142,12 @@ class JournalFailed(Exception):
     built on it may be sent. The server stops; a restart recovers what was."""
 
 
-# What one commit writes: records in, departed handoffs out, engines' incarnations.
-Batch = tuple[list[tuple[int, str, float, str]], list[tuple[str, int]], dict[str, str]]
+# What one commit writes: records (seq, handoff id, time, body) in, departed
+# handoffs (id, the first seq kept) out, engines' incarnations.
+Inserts = list[tuple[int, str, float, str]]
+Drops = list[tuple[str, int]]
+Engines = dict[str, str]
+Batch = tuple[Inserts, Drops, Engines]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +179,9 @@ class Journal:
         self._checkpoint_at = WAL_CHECKPOINT_BYTES  # WAL bytes
         self._lock_fd = lock_fd
         self._next_seq = next_seq
-        self._inserts: list[tuple[int, str, float, str]] = []
-        self._drops: list[tuple[str, int]] = []
-        self._engines: dict[str, str] = {}
+        self._inserts: Inserts = []
+        self._drops: Drops = []
+        self._engines: Engines = {}
         self._appended = 0  # batch items ever appended
         self._committed = 0  # of those, how many are committed
         self._progress = asyncio.Event()
@@ -483,12 +487,7 @@ class Journal:
         self._checkpointer.execute(CHECKPOINT).fetchone()
         self.copies += 1
 
-    def _catch_up_and_commit(
-        self,
-        inserts: list[tuple[int, str, float, str]],
-        drops: list[tuple[str, int]],
-        engines: dict[str, str],
-    ) -> None:
+    def _catch_up_and_commit(self, inserts: Inserts, drops: Drops, engines: Engines) -> None:
         """After the copy, on the writer's thread: copy the rest, then commit
         (which begins the WAL again, the copy being whole)."""
         self._checkpoint(self._db)
@@ -500,12 +499,7 @@ class Journal:
         except FileNotFoundError:
             return 0
 
-    def _commit_checkpointing(
-        self,
-        inserts: list[tuple[int, str, float, str]],
-        drops: list[tuple[str, int]],
-        engines: dict[str, str],
-    ) -> None:
+    def _commit_checkpointing(self, inserts: Inserts, drops: Drops, engines: Engines) -> None:
         """Checkpoint if the WAL has grown past its size, then commit: off the
         event loop (both may fsync)."""
         if self._wal_bytes() >= self._checkpoint_at:
@@ -534,11 +528,7 @@ class Journal:
             self._checkpoint_at = WAL_CHECKPOINT_BYTES
 
     def _commit(
-        self,
-        inserts: list[tuple[int, str, float, str]],
-        drops: list[tuple[str, int]],
-        engines: dict[str, str],
-        few_statements: bool = False,
+        self, inserts: Inserts, drops: Drops, engines: Engines, few_statements: bool = False
     ) -> None:
         """One transaction: the batch's records in, its departed handoffs' out
         (each bounded by seq: a handoff id may be reused once its handoff left);
@@ -567,12 +557,7 @@ class Journal:
         if self._measure_reusable:
             self._reusable_bytes = _reusable_bytes(db)
 
-    def _commit_on_thread(
-        self,
-        inserts: list[tuple[int, str, float, str]],
-        drops: list[tuple[str, int]],
-        engines: dict[str, str],
-    ) -> None:
+    def _commit_on_thread(self, inserts: Inserts, drops: Drops, engines: Engines) -> None:
         self._commit(inserts, drops, engines, few_statements=True)
 
     def reusable_bytes(self) -> int:
