@@ -41,8 +41,9 @@ BODY: list[object] = ["note", "x" * 1000]  # about a quarter of a page
 
 
 class Where:
-    """Counts the journal connection's COMMITs and checkpoints, by whether they
-    ran on the event loop's thread or another."""
+    """Counts the journal connection's statements that begin with one of
+    ``statements`` (COMMITs and checkpoints unless told), by whether they ran
+    on the event loop's thread or another."""
 
     def __init__(
         self, journal: Journal, statements: tuple[str, ...] = ("COMMIT", CHECKPOINT)
