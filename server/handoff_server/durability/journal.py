@@ -46,9 +46,11 @@ Choices, and why:
   every call waiting on the barrier would wait for it. The WAL can begin
   again only once all of it is copied, so the writer's next commit, on its
   thread, first copies what was committed meanwhile (a few commits' pages),
-  then commits and begins the WAL again (its header is synced). While the
-  copy runs, commits go to the writer's thread too: one may end it and
-  begin the WAL. The WAL stays about that size.
+  then commits and begins the WAL again (its header is synced). From the
+  copy's start until then a third connection holds a read transaction (the
+  pin): no commit on the loop can begin the WAL while a reader is in it, so
+  the commits made while the copy runs stay on the loop. The WAL stays
+  about that size.
 - **Another writer waits off the loop.** SQLite's busy handler would sleep
   inside the commit, on the event loop, while another process (someone's
   ``sqlite3`` shell) holds a write transaction. Serving, the connection has
@@ -104,9 +106,11 @@ READ_BATCH = 10_000
 # this is copied into the database before the next commit.
 WAL_CHECKPOINT_BYTES = 4 * 2**20
 # A batch larger than this is committed on the thread even when it cannot
-# fsync: the hop is worth it when the loop would otherwise stop that long
-# (the streaming path's batches; unary calls commit a few at a time).
-LOOP_BATCH_MAX = 32
+# fsync: the streaming path's batches at its maximum rate, where the loop
+# serves on meanwhile (about a tenth less CPU per handoff). Not smaller: a
+# commit on the thread waits for the GIL after each statement, and while it
+# waits the next batch grows past the limit too (bench/RESULTS.md).
+LOOP_BATCH_MAX = 128
 # Rows per statement at most in a commit on the writer's thread: each
 # statement there ends in a wait for the GIL. Its statement for each count
 # stays in the connection's cache of prepared statements (CACHED_STATEMENTS).
@@ -194,6 +198,9 @@ class Journal:
         self._checkpointer: sqlite3.Connection | None = None
         self._checkpoint_thread: ThreadPoolExecutor | None = None
         self._checkpointing: asyncio.Future[None] | None = None
+        # Read from the copy's start to its catch-up, so that no commit on the
+        # loop begins the WAL (and syncs) meanwhile; opened at the first copy.
+        self._pin: sqlite3.Connection | None = None
         # The copy ended: the next commit copies the rest and begins the WAL.
         self._copied = False
         self._checkpoint_failure: BaseException | None = None
@@ -392,12 +399,9 @@ class Journal:
         ``busy_timeout_s`` the server is asked to drain, and the writer goes on
         trying, so a lock released during the drain still lets it end well."""
         catch_up, self._copied = self._copied, False
-        on_thread = (
-            catch_up
-            or self._checkpointing is not None
-            or len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX
-            or self._may_fsync()
-        )
+        if catch_up:
+            self._unpin()  # the catch-up copies what was committed since the pin
+        on_thread = catch_up or len(batch[0]) + len(batch[1]) > LOOP_BATCH_MAX or self._may_fsync()
         if catch_up:
             commit = self._catch_up_and_commit
         else:
@@ -462,11 +466,22 @@ class Journal:
 
     def _checkpoint_if_due(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the checkpoint's copy beside the commits if the WAL is past its
-        size and none runs; a failed one stops the writer at its next commit."""
-        if self._checkpointing is not None or self._wal_bytes() < self._checkpoint_at:
+        size and no checkpoint is under way; a failed copy stops the writer at
+        its next commit."""
+        if self._checkpointing is not None or self._copied:
+            return  # one runs, or its catch-up is still to come
+        if self._wal_bytes() < self._checkpoint_at:
             return
         if self._checkpoint_thread is None:
             self._checkpoint_thread = ThreadPoolExecutor(1, thread_name_prefix="handoff-checkpoint")
+            self._pin = sqlite3.connect(
+                self.state_dir / DATABASE, timeout=0, isolation_level=None, check_same_thread=False
+            )
+        # Reads everything committed so far (the copy's whole extent), from the
+        # WAL's frames, so no writer may begin the WAL until the catch-up.
+        assert self._pin is not None
+        self._pin.execute("BEGIN")
+        self._pin.execute("SELECT count(*) FROM meta").fetchone()
         running = loop.run_in_executor(self._checkpoint_thread, self._checkpoint_beside)
         self._checkpointing = running
 
@@ -478,6 +493,10 @@ class Journal:
                 self._wanted.set()  # the writer raises it
 
         running.add_done_callback(ended)
+
+    def _unpin(self) -> None:
+        if self._pin is not None and self._pin.in_transaction:
+            self._pin.execute("COMMIT")
 
     def _checkpoint_beside(self) -> None:
         """The copy, on the checkpointer's own connection (on its thread); what
@@ -626,6 +645,10 @@ class Journal:
         if self._checkpointing is not None:
             with contextlib.suppress(Exception):
                 await self._checkpointing
+        if self._pin is not None:
+            self._unpin()
+            self._pin.close()
+            self._pin = None
         if self._checkpointer is not None:
             checkpointer, self._checkpointer = self._checkpointer, None
             await asyncio.get_running_loop().run_in_executor(
