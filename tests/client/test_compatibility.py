@@ -24,7 +24,7 @@ from tests.support.servers import StartServer
 
 RELEASE = Path(__file__).resolve().parents[1] / "fixtures" / "release-0.1.0"
 WHEEL = RELEASE / "handoff-0.1.0-py3-none-any.whl"
-EXAMPLE = RELEASE / "readme_example.py"
+EXAMPLE = RELEASE / "readme_example.py.txt"
 TIMEOUT_S = 30.0
 # The success path's lifecycle, as both releases record it.
 SUCCESS_EVENTS = 6
