@@ -6,6 +6,13 @@ TransferCompleted -> ActivateDestination, by order), so each hop's latency
 adds to the user's time to first token. This measures each hop's p50 and p99
 on both paths, at half and at 80 % of the maximum rate that configuration
 sustains (measured first, in the same run), with the journal off and on.
+Each paced window is followed by the gRPC floor (bench/floor.py: the same
+messages, empty handlers) at the same rate: its latency is the harness's own
+(the load process, gRPC, the two cores they share), and the difference is
+what the coordinator adds. The server's own figure is read from its
+``handoff_dispatch_latency_seconds`` (a call to its actions' first write,
+the journal's commit included), from the buckets' counts before and after
+the window, as Prometheus's histogram_quantile would.
 
 Latencies are taken in the load process (bench/load.py, one clock): fact
 sent to the action received by its engine, so the client's own queueing is
@@ -25,10 +32,13 @@ import argparse
 import multiprocessing
 import statistics
 import tempfile
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.pool import Pool
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.ab import baseline_server
 from bench.load import LoadSpec
@@ -36,6 +46,8 @@ from bench.procs import ServerProcess
 from bench.service import Measured, drive, label, load_average, ms, percentile, say
 
 FRACTIONS = (0.5, 0.8)
+# The servers serve their metrics, on a free port, for their own figure.
+METRICS = ("--metrics-port", "0", "--metrics-host", "127.0.0.1")
 QUICK_COUNT = 64  # --quick: the max rate over this many handoffs, however slow the machine
 # The path from a prefill's end to its decode's start, in both orders; the
 # other hops are shown below them.
@@ -45,6 +57,20 @@ CRITICAL = (
     "SourceHeld → StartTransfer",
     "TransferCompleted → ActivateDestination",
 )
+# The actions of those hops, in the server's handoff_dispatch_latency_seconds
+# (COMPLETE notices and cleanups are not on the way to a decode).
+HOP_ACTIONS = ("submit_prefill", "reserve_destination", "start_transfer", "activate_destination")
+Buckets = dict[float, float]  # a histogram's upper bound -> cumulative count
+
+
+@dataclass(frozen=True)
+class Paced:
+    """One paced window of the service, the floor's at the same rate after
+    it, and the server's own p50 / p99 over the window (None: not served)."""
+
+    service: Measured
+    floor: Measured
+    inside: tuple[float, float] | None
 
 
 @dataclass(frozen=True)
@@ -96,25 +122,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = load_average()
     with tempfile.TemporaryDirectory(prefix="bench-critical-") as state:
         servers = {
-            False: ServerProcess.service(name="journal off"),
-            True: ServerProcess.service("--state-dir", state, name="journal on"),
+            False: ServerProcess.service(*METRICS, name="journal off"),
+            True: ServerProcess.service(*METRICS, "--state-dir", state, name="journal on"),
         }
+        floor = ServerProcess.floor()
         try:
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 # Unmeasured: the load process's imports and each server's
                 # first streams would otherwise weigh on the first setup only.
-                for server in servers.values():
+                for server in (*servers.values(), floor):
                     drive(pool, 1, server, replace(base, duration_s=base.warmup_s), "warm-up")
                 count = QUICK_COUNT if args.quick else None
-                runs = [run(pool, servers[setup.journal], base, setup, count) for setup in setups]
+                runs = [
+                    run(pool, servers[setup.journal], floor, base, setup, count) for setup in setups
+                ]
         finally:
-            for server in servers.values():
+            for server in (*servers.values(), floor):
                 server.stop()
     print("## The critical path, hop by hop (bench/critical.py)")
     print()
     print(f"Load average {load_before} before, {load_average()} after; {duration} s windows.")
     print()
-    print("\n".join(table(runs)))
+    print("\n".join(table([[window.service for window in paced] for paced in runs])))
+    print()
+    print("Every hop together, beside the floor at the same rate (its p50 / p99 are the")
+    print("harness's own; the coordinator adds the difference), and the server's own")
+    print("share of the same hops (handoff_dispatch_latency_seconds, bucketed):")
+    print()
+    print("\n".join(beside_floor(runs)))
     return 0
 
 
@@ -185,10 +220,16 @@ def against(args: argparse.Namespace) -> int:
 
 
 def run(
-    pool: Pool, server: ServerProcess, base: LoadSpec, setup: Setup, count: int | None
-) -> list[Measured]:
+    pool: Pool,
+    server: ServerProcess,
+    floor: ServerProcess,
+    base: LoadSpec,
+    setup: Setup,
+    count: int | None,
+) -> list[Paced]:
     """The maximum rate of ``setup`` (over ``count`` handoffs when given, so a
-    loaded machine still yields a rate), then each fraction of it, paced."""
+    loaded machine still yields a rate), then each fraction of it, paced, each
+    followed by the floor at the same pace."""
     spec = replace(base, path=setup.path, batch=setup.batch)
     say(f"max rate: {setup.name}")
     top = drive(pool, 1, server, replace(spec, count=count), "max")
@@ -199,8 +240,77 @@ def run(
         rate = top.rate * fraction
         say(f"{fraction:.0%} of max: {setup.name}, {rate:,.0f} handoffs/s")
         paced = replace(spec, rate=rate)
-        measured.append(drive(pool, 1, server, paced, f"{fraction:.0%} of {top.rate:,.0f}/s"))
+        mode = f"{fraction:.0%} of {top.rate:,.0f}/s"
+        before = dispatch_buckets(server)
+        service = drive(pool, 1, server, paced, mode)
+        inside = server_share(before, dispatch_buckets(server))
+        measured.append(Paced(service, drive(pool, 1, floor, paced, mode), inside))
     return measured
+
+
+def dispatch_buckets(server: ServerProcess) -> Buckets:
+    """The server's handoff_dispatch_latency_seconds buckets, HOP_ACTIONS summed."""
+    if server.metrics_port is None:
+        return {}
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    buckets: Buckets = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "handoff_dispatch_latency_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels["kind"] in HOP_ACTIONS:
+                bound = float(sample.labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
+
+
+def server_share(before: Buckets, after: Buckets) -> tuple[float, float] | None:
+    """p50 and p99 of what was observed between two scrapes."""
+    window = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    if not window or max(window.values()) <= 0:
+        return None
+    return quantile(window, 0.5), quantile(window, 0.99)
+
+
+def quantile(cumulative: Buckets, q: float) -> float:
+    """As Prometheus's histogram_quantile: linear within the bucket holding
+    rank q; the highest finite bound if it falls beyond them all."""
+    bounds = list(cumulative)
+    rank = q * cumulative[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
+def beside_floor(runs: list[list[Paced]]) -> list[str]:
+    lines = [
+        "| path | journal | load | handoffs/s | service p50 / p99 ms | "
+        "floor p50 / p99 ms | added p50 / p99 ms | in the server p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for paced in runs:
+        for window in paced:
+            service = window.service
+            ours, theirs = service.result.fact_to_action_s, window.floor.result.fact_to_action_s
+            if not ours or not theirs:  # nothing finished a hop inside a window
+                continue
+            p50, p99 = percentile(ours, 0.5), percentile(ours, 0.99)
+            f50, f99 = percentile(theirs, 0.5), percentile(theirs, 0.99)
+            inside = "-" if window.inside is None else " / ".join(map(ms, window.inside))
+            lines.append(
+                f"| {service.path} | {service.server.removeprefix('journal ')} | {service.mode} | "
+                f"{service.rate:,.0f} | {ms(p50)} / {ms(p99)} | {ms(f50)} / {ms(f99)} | "
+                f"{ms(p50 - f50)} / {ms(p99 - f99)} | {inside} |"
+            )
+    return lines
 
 
 def table(runs: list[list[Measured]]) -> list[str]:

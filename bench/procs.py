@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = re.compile(r"serving gRPC\b.*? on \S+:(\d+)")
+METRICS = re.compile(r"serving gRPC\b.*?, metrics on \S+:(\d+)")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 # The service as deployed, but bound to loopback, with no metrics port (the
@@ -43,6 +44,7 @@ class ServerProcess:
         )
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._port: int | None = None
+        self.metrics_port: int | None = None  # once serving, if it serves metrics
         self._found = threading.Event()
         self._reader = threading.Thread(target=self._drain, daemon=True)
         self._reader.start()
@@ -68,6 +70,8 @@ class ServerProcess:
         for line in self.process.stdout:
             self.tail.append(line)
             if self._port is None and (match := SERVING.search(line)):
+                if metrics := METRICS.search(line):
+                    self.metrics_port = int(metrics.group(1))
                 self._port = int(match.group(1))
                 self._found.set()
         self._found.set()  # exited before serving: the constructor reports the tail

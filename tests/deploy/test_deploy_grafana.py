@@ -21,6 +21,8 @@ REQUIRED = {
     "active handoffs by phase": "handoff_handoffs",
     "source hold time": "handoff_source_hold_seconds_bucket",
     "action latency by kind": "handoff_action_latency_seconds_bucket",
+    # issue 26: what the coordinator adds to each hop of the critical path
+    "coordinator's share of each hop": "handoff_dispatch_latency_seconds_bucket",
     "engine streams": "handoff_engine_streams",
     "rejections": "handoff_rejections_total",
     # per shard (issue 13): where the load goes, what a shard being removed still holds,

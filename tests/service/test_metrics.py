@@ -20,7 +20,17 @@ from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.service.app import Server
 from tests.support.fakes import free_port
 from tests.support.processes import debian_binary
-from tests.support.rpc import CANCELED, start_request, succeed
+from tests.support.rpc import (
+    CANCELED,
+    DESTINATION,
+    HELD,
+    SOURCE,
+    SUBMITTED,
+    fact,
+    outcome,
+    start_request,
+    succeed,
+)
 
 
 def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -104,6 +114,43 @@ async def test_exact_metric_values_after_a_scripted_scenario(server: Server) -> 
     }
     assert {key: samples.get(key) for key in expected} == expected
     assert not any("handoff_id" in dict(key[1]) for key in samples), "ids are never labels"
+
+
+async def test_dispatch_latency_counts_first_writes_to_streams_live_at_issue(
+    server: Server,
+) -> None:
+    """handoff_dispatch_latency_seconds: the coordinator's share of a hop. An
+    action counts once, at its first write, and only if its engine had a
+    stream when it was issued (else the wait was the engine's absence)."""
+    async with (
+        asyncio.timeout(30),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        source = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE))
+        await source.initial_metadata()  # subscribed
+        handoff_id = str(uuid.uuid4())
+        await stub.StartHandoff(start_request(handoff_id))
+        submit = await source.read()
+        assert (submit.kind, submit.attempt) == (pb.ACTION_KIND_SUBMIT_PREFILL, 1)
+        source.cancel()
+        again = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE))
+        redelivered = await again.read()  # unanswered, so written again: not counted again
+        assert (redelivered.id, redelivered.attempt) == (submit.id, 2)
+        # ReserveDestination is issued while the destination has no stream.
+        await outcome(stub, handoff_id, submit.id, SUBMITTED)
+        await fact(stub, handoff_id, HELD)
+        destination = stub.StreamActions(pb.StreamActionsRequest(engine_id=DESTINATION))
+        reserve = await destination.read()
+        assert (reserve.kind, reserve.attempt) == (pb.ACTION_KIND_RESERVE_DESTINATION, 1)
+        samples = await asyncio.to_thread(scrape, server.metrics_port)
+        again.cancel()
+        destination.cancel()
+    count = "handoff_dispatch_latency_seconds_count"
+    assert samples[(count, labels(kind="submit_prefill"))] == 1
+    assert samples[(count, labels(kind="reserve_destination"))] == 0
+    # Its one observation: a moment on loopback, not the test's seconds.
+    assert 0 <= samples[("handoff_dispatch_latency_seconds_sum", labels(kind="submit_prefill"))] < 1
 
 
 @pytest.fixture

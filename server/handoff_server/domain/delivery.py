@@ -68,6 +68,9 @@ class Dispatch:
     sequence: int = 0
     trace: tuple[str, str] | None = None  # the action span's traceparent and tracestate
     reason: EndReason | None = None  # COMPLETE only: why the handoff ended
+    # The registry's clock at the call that issued it, if its engine had a
+    # stream then: the coordinator's own share of the wait until its first write.
+    issued_at: float | None = None
 
 
 class Subscription:
@@ -308,6 +311,7 @@ class Delivery:
                 dispatch.sequence,
                 dispatch.trace,
                 dispatch.reason,
+                dispatch.issued_at,
             )
             if dispatch.action.kind is not ActionKind.COMPLETE:
                 channel.owe(key, dispatch)
@@ -364,13 +368,17 @@ class Delivery:
         engines: Iterable[str],
         trace: tuple[str, str] | None = None,
         reason: EndReason | None = None,
+        issued_at: float | None = None,
     ) -> None:
         for engine_id in engines:
             channel = self._channel(engine_id)
             if action.kind is ActionKind.COMPLETE and self._never_came(channel):
                 continue
             sequence = next(self._sequence)
-            dispatch = Dispatch(handoff_id, action, role, engine_id, 0, sequence, trace, reason)
+            streamed = issued_at if channel.subscription is not None else None
+            dispatch = Dispatch(
+                handoff_id, action, role, engine_id, 0, sequence, trace, reason, streamed
+            )
             key = (handoff_id, action.id)
             channel.queue[key] = dispatch
             if action.kind is not ActionKind.COMPLETE:

@@ -558,7 +558,7 @@ class Registry:
         ):
             self._settle(entry, action, role, engines[0])
         else:
-            self.delivery.send(entry.handoff_id, action, role, engines, trace, reason)
+            self.delivery.send(entry.handoff_id, action, role, engines, trace, reason, now)
         # In a call's answer, a notice to both engines names neither.
         engine_id = engines[0] if len(engines) == 1 else ""
         return Dispatch(entry.handoff_id, action, role, engine_id, trace=trace, reason=reason)

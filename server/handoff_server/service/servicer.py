@@ -333,6 +333,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             messages = render(dispatches)
             if messages:
                 await self.durably(context)
+                self._first_writes(dispatches)
                 for message in messages:
                     yield message
                 linger.wrote()
@@ -346,6 +347,17 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                 continue
             await ready.wait()
             linger.woke(ready)
+
+    def _first_writes(self, dispatches: list[Dispatch]) -> None:
+        """Each action written for the first time: how long since the call
+        that issued it (handoff_dispatch_latency_seconds). Neither a
+        redelivery nor an action issued while its engine had no stream is
+        counted: their wait was the engine's absence, not the coordinator's."""
+        now = self.registry.clock()
+        by_kind = self.metrics.dispatch_latency_by
+        for dispatch in dispatches:
+            if dispatch.attempt == 1 and dispatch.issued_at is not None:
+                by_kind[dispatch.action.kind].observe(max(0.0, now - dispatch.issued_at))
 
     async def Connect(
         self,
