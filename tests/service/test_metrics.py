@@ -10,6 +10,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -116,6 +117,12 @@ async def test_exact_metric_values_after_a_scripted_scenario(server: Server) -> 
     assert not any("handoff_id" in dict(key[1]) for key in samples), "ids are never labels"
 
 
+async def next_action(stream: grpc.aio.UnaryStreamCall[Any, Any]) -> pb.Action:
+    action = await stream.read()
+    assert isinstance(action, pb.Action), action  # not the stream's end
+    return action
+
+
 async def test_dispatch_latency_counts_first_writes_to_streams_live_at_issue(
     server: Server,
 ) -> None:
@@ -131,17 +138,17 @@ async def test_dispatch_latency_counts_first_writes_to_streams_live_at_issue(
         await source.initial_metadata()  # subscribed
         handoff_id = str(uuid.uuid4())
         await stub.StartHandoff(start_request(handoff_id))
-        submit = await source.read()
+        submit = await next_action(source)
         assert (submit.kind, submit.attempt) == (pb.ACTION_KIND_SUBMIT_PREFILL, 1)
         source.cancel()
         again = stub.StreamActions(pb.StreamActionsRequest(engine_id=SOURCE))
-        redelivered = await again.read()  # unanswered, so written again: not counted again
+        redelivered = await next_action(again)  # unanswered, so written again: not counted again
         assert (redelivered.id, redelivered.attempt) == (submit.id, 2)
         # ReserveDestination is issued while the destination has no stream.
         await outcome(stub, handoff_id, submit.id, SUBMITTED)
         await fact(stub, handoff_id, HELD)
         destination = stub.StreamActions(pb.StreamActionsRequest(engine_id=DESTINATION))
-        reserve = await destination.read()
+        reserve = await next_action(destination)
         assert (reserve.kind, reserve.attempt) == (pb.ACTION_KIND_RESERVE_DESTINATION, 1)
         samples = await asyncio.to_thread(scrape, server.metrics_port)
         again.cancel()
