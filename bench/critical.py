@@ -168,6 +168,8 @@ def against(args: argparse.Namespace) -> int:
         replace(base, path="unary", batch=False, rate=unary_rate),
     ]
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    # The servers' own, where they serve handoff_dispatch_latency_seconds.
+    inside: dict[tuple[str, str], list[tuple[float, float] | None]] = {}
     load_before = load_average()
     with (
         tempfile.TemporaryDirectory(prefix="bench-critical-") as before_state,
@@ -176,10 +178,12 @@ def against(args: argparse.Namespace) -> int:
         journal = args.journal == "on"
         servers = {
             "before": baseline_server(
-                args.against.resolve(), *(("--state-dir", before_state) if journal else ())
+                args.against.resolve(),
+                *METRICS,
+                *(("--state-dir", before_state) if journal else ()),
             ),
             "after": ServerProcess.service(
-                *(("--state-dir", after_state) if journal else ()), name="after"
+                *METRICS, *(("--state-dir", after_state) if journal else ()), name="after"
             ),
         }
         try:
@@ -190,7 +194,10 @@ def against(args: argparse.Namespace) -> int:
                     order = ("before", "after") if round_ % 2 == 0 else ("after", "before")
                     for spec in specs:
                         for name in order:
+                            before = dispatch_buckets(servers[name])
                             m = drive(pool, 1, servers[name], spec, f"{spec.rate:,.0f}/s")
+                            share = server_share(before, dispatch_buckets(servers[name]))
+                            inside.setdefault((label(spec), name), []).append(share)
                             latency = m.result.fact_to_action_s
                             p50, p99 = percentile(latency, 0.5), percentile(latency, 0.99)
                             samples.setdefault((label(spec), name), []).append((p50, p99))
@@ -204,19 +211,33 @@ def against(args: argparse.Namespace) -> int:
     print()
     print(f"Load average {load_before} before, {load_average()} after; {base.duration_s} s each.")
     print()
-    print("| path | rate | server | p50 ms per round | p99 ms per round | median p50 / p99 |")
-    print("|---|---|---|---|---|---|")
+    print("In the load process (client), and in the server (handoff_dispatch_latency_seconds;")
+    print("'-' where a server does not serve it):")
+    print()
+    print(
+        "| path | rate | server | p50 ms per round | p99 ms per round | median p50 / p99 | "
+        "in the server, p99 ms per round | in the server, median p50 / p99 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for spec in specs:
         for name in ("before", "after"):
             runs = samples[(label(spec), name)]
             p50s = " / ".join(ms(p50) for p50, _ in runs)
             p99s = " / ".join(ms(p99) for _, p99 in runs)
-            medians = (
-                f"{ms(statistics.median(p for p, _ in runs))} / "
-                f"{ms(statistics.median(p for _, p in runs))}"
+            shares = [share for share in inside[(label(spec), name)] if share is not None]
+            own = " / ".join(ms(p99) for _, p99 in shares) or "-"
+            print(
+                f"| {label(spec)} | {spec.rate:,.0f}/s | {name} | {p50s} | {p99s} | "
+                f"{medians(runs)} | {own} | {medians(shares) if shares else '-'} |"
             )
-            print(f"| {label(spec)} | {spec.rate:,.0f}/s | {name} | {p50s} | {p99s} | {medians} |")
     return 0
+
+
+def medians(runs: Sequence[tuple[float, float]]) -> str:
+    """The median p50 and the median p99 of the rounds."""
+    return (
+        f"{ms(statistics.median(p for p, _ in runs))} / {ms(statistics.median(p for _, p in runs))}"
+    )
 
 
 def run(

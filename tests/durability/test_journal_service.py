@@ -4,12 +4,14 @@ restart recovers, the trace context is kept, and recovery is exported."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sqlite3
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.durability.journal import DATABASE, Journal
 from handoff_server.service import convert
 from handoff_server.service.app import Server
+from tests.support.lease import until
 from tests.support.rpc import SOURCE, ConnectEngine, StreamRecorder, start_request
 from tests.support.servers import StartServer
 
@@ -54,6 +57,44 @@ def slow_commits(monkeypatch: pytest.MonkeyPatch) -> None:
         commit(self, *batch)
 
     monkeypatch.setattr(Journal, "_commit", slow)
+
+
+class Gates:
+    """Every commit runs on the writer's thread and waits there until the
+    test opens its gate; the test hears each commit start, with its gate."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.started: asyncio.Queue[threading.Event] = asyncio.Queue()
+        self.opened: list[threading.Event] = []
+
+    def enter(self) -> None:
+        """On the writer's thread, before the commit's transaction."""
+        gate = threading.Event()
+        self.opened.append(gate)
+        self.loop.call_soon_threadsafe(self.started.put_nowait, gate)
+        assert gate.wait(20), "a gated commit was never opened"
+
+    def open_all(self) -> None:
+        for gate in self.opened:
+            gate.set()
+
+
+@pytest.fixture
+async def gated_commits(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Gates]:
+    gates = Gates()
+    commit = Journal._commit
+
+    def gated(self: Journal, *batch: Any, **options: Any) -> None:
+        gates.enter()
+        commit(self, *batch, **options)
+
+    monkeypatch.setattr(Journal, "_commit", gated)
+    monkeypatch.setattr(Journal, "_may_fsync", lambda self: True)  # each commit on the thread
+    try:
+        yield gates
+    finally:
+        gates.open_all()  # nothing stays held past the test
 
 
 @pytest.fixture
@@ -99,6 +140,87 @@ async def test_no_answer_ack_or_action_leaves_before_its_commit(
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.StartHandoff(elsewhere)
     assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def absent(arrival: Awaitable[object], within_s: float = 0.5) -> None:
+    """``arrival`` does not happen within ``within_s`` (it would, at once, were
+    something written before its commit)."""
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(within_s):
+            await arrival
+
+
+@pytest.mark.timeout(30)
+async def test_a_connect_ack_leaves_only_after_the_commit_of_its_report(
+    start_server: StartServer, tmp_path: Path, gated_commits: Gates
+) -> None:
+    server = await start_server(state_dir=str(tmp_path))
+    h = str(uuid.uuid4())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        engine = ConnectEngine(stub, SOURCE, batch=True)
+        await engine.subscribed()
+        starting = asyncio.ensure_future(stub.StartHandoff(start_request(h)))
+        (await gated_commits.started.get()).set()
+        await starting
+        report = pb.ReportOutcomeRequest(handoff_id=h, action_id=0, outcome=SUBMITTED)
+        acked = asyncio.ensure_future(engine.report(report))
+        held = await gated_commits.started.get()  # the outcome's commit, held
+        await absent(asyncio.shield(acked))
+        held.set()
+        assert (await acked).code == 0
+        assert committed(tmp_path)[-1] == (h, ["outcome", 0, "submitted", ""])
+        await engine.close()
+
+
+@pytest.mark.timeout(30)
+async def test_an_action_waits_for_the_commit_of_its_call_not_for_later_ones(
+    start_server: StartServer, tmp_path: Path, gated_commits: Gates
+) -> None:
+    """A stream's writer waits until the journal is committed as far as it
+    was when the action was queued: calls for other engines appended later
+    (in the next commit) do not hold it back a whole commit more."""
+    server = await start_server(state_dir=str(tmp_path))
+    delivery = server.registry.delivery
+    first, second, later = (str(uuid.uuid4()) for _ in range(3))
+    elsewhere = {"source_engine_id": "prefill-elsewhere", "destination_engine_id": "decode-else"}
+    async with (
+        asyncio.timeout(20),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+    ):
+        stub = pb_grpc.HandoffCoordinatorStub(channel)
+        calls: list[asyncio.Task[pb.StartHandoffResponse]] = []
+
+        async def started(request: pb.StartHandoffRequest) -> pb.StartHandoffResponse:
+            return await stub.StartHandoff(request)  # answered once its commit is done
+
+        def start(handoff_id: str | None = None, **fields: str) -> None:
+            calls.append(asyncio.create_task(started(start_request(handoff_id, **fields))))
+
+        source = StreamRecorder(stub, SOURCE)
+        await source.subscribed()
+        start(**elsewhere)
+        held = await gated_commits.started.get()  # commit 0, held: the next ones gather
+        start(first)
+        # The source's writer took the first's SubmitPrefill: it waits for commit 1.
+        await until(lambda: first in server.registry.handoffs and delivery.queued(SOURCE) == 0)
+        start(second)
+        await until(lambda: delivery.queued(SOURCE) == 1)  # queued while the writer waits
+        held.set()
+        held = await gated_commits.started.get()  # commit 1: the first and the second
+        await absent(source.wait_for(first, 0))  # taken, and held back with its commit
+        start(later, **elsewhere)
+        await until(lambda: later in server.registry.handoffs)
+        held.set()
+        held = await gated_commits.started.get()  # commit 2, the later start alone: held
+        submit = await source.wait_for(second, 0)
+        assert submit.kind == pb.ACTION_KIND_SUBMIT_PREFILL
+        starts = [handoff_id for handoff_id, body in committed(tmp_path) if body[0] == "start"]
+        assert second in starts
+        assert later not in starts
+        held.set()
+        await asyncio.gather(*calls)
+        await source.close()
 
 
 @pytest.mark.timeout(30)

@@ -593,7 +593,7 @@ async def test_acks_queued_for_a_connect_stream_are_bounded_in_bytes(
         yield message
 
     owed = servicer.Owed(batch=True, lean_acks=False)
-    ready = asyncio.Event()
+    ready = servicer.Ready(servicer.Unjournaled())
     async with asyncio.timeout(TIMEOUT_S):
         reader = asyncio.create_task(service._read_reports("e", requests(), owed, ready))
         await ready.wait()  # set when the bound is reached, the writer being wanted

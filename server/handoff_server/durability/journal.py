@@ -60,9 +60,10 @@ Choices, and why:
   (holders.py) and asks the server to drain; the drain's last commit waits
   that long again at most.
 - **The barrier.** :meth:`Journal.durable` returns once everything appended
-  so far is committed. Every place the server writes to the network awaits
-  it first, so no answer, acknowledgement or action leaves before the
-  commit that holds it.
+  so far (or up to a position, :attr:`Journal.appended` when it was taken)
+  is committed. Every place the server writes to the network awaits it
+  first, so no answer, acknowledgement or action leaves before the commit
+  that holds it.
 - **JSON bodies.** A few microseconds slower than pickle, but the file can be
   read with the ``sqlite3`` shell, and reading it never runs code.
 """
@@ -347,9 +348,14 @@ class Journal:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="handoff-journal")
         self._writer = asyncio.create_task(self._write(commit_delay_s), name="handoff-journal")
 
-    async def durable(self) -> None:
-        """Return once everything appended so far is committed."""
-        target = self._appended
+    @property
+    def appended(self) -> int:
+        """How many items were ever appended: a position :meth:`durable` can wait for."""
+        return self._appended
+
+    async def durable(self, upto: int | None = None) -> None:
+        """Return once everything appended so far, or the first ``upto`` items, is committed."""
+        target = self._appended if upto is None else upto
         while self._committed < target:
             if self._failure is not None:
                 raise JournalFailed(f"the journal cannot be written: {self._failure}")

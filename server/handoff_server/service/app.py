@@ -179,7 +179,7 @@ class Server:
             self.registry,
             self.metrics,
             shards=self.shards,
-            durable=journal.durable,
+            journal=journal,
             subscription_headers=headers,
             engine_incarnation=journal.engine,
             admit_start=headroom.check_start,

@@ -15,7 +15,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
@@ -73,8 +73,46 @@ class Refusal:
     trailers: tuple[tuple[str, str], ...] = ()
 
 
-async def _nothing_pending() -> None:
-    return None
+class Barrier(Protocol):
+    """What the servicer needs of the journal: how far it has been appended
+    to, and a wait until it is committed that far."""
+
+    @property
+    def appended(self) -> int: ...
+
+    async def durable(self, upto: int | None = None) -> None: ...
+
+
+class Unjournaled:
+    """No journal: every call is as durable as it will be once it returns."""
+
+    appended = 0
+
+    async def durable(self, upto: int | None = None) -> None:
+        return None
+
+
+class Ready(Wake):
+    """An engine stream's wake-up, and how far the journal must be committed
+    before its writer may write what it took: as far as it was appended when
+    the latest ack or action was queued for the stream. Reading the journal's
+    length when the writer takes instead would count what calls for other
+    streams appended since, and wait a whole commit more for them."""
+
+    def __init__(self, journal: Barrier) -> None:
+        super().__init__()
+        self._journal = journal
+        # What is queued before the stream's first wake-up (actions issued
+        # while the engine had no stream) was appended before it opened.
+        self.owes = journal.appended
+
+    def set(self) -> None:
+        self.owes = self._journal.appended
+        super().set()
+
+    def queued(self) -> None:
+        """Acks were queued, the writer not woken yet (it may run at the next await)."""
+        self.owes = self._journal.appended
 
 
 class Servicer(pb_grpc.HandoffCoordinatorServicer):
@@ -83,7 +121,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         registry: Registry,
         metrics: Metrics,
         *,
-        durable: Callable[[], Awaitable[None]] = _nothing_pending,
+        journal: Barrier | None = None,
         subscription_headers: Sequence[tuple[str, str]] = (),
         engine_incarnation: Callable[[str, str], None] = lambda engine_id, incarnation: None,
         shards: Shards | None = None,
@@ -95,7 +133,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self.shards = shards if shards is not None else Shards.single(metrics)
         # Awaited before anything is written to the network: with a journal,
         # nothing leaves before the commit that holds it (journal.py).
-        self._durable = durable
+        self._journal: Barrier = journal if journal is not None else Unjournaled()
         self.subscription_headers = tuple(subscription_headers)
         self._engine_incarnation = engine_incarnation
         # Raises (a domain error) when a new handoff must be refused: the
@@ -103,10 +141,13 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self._admit_start = admit_start
         self.newcomers = Newcomers(registry.settings, metrics)
 
-    async def durably(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """Wait until every accepted call so far is durable; a broken journal ends the call."""
+    async def durably(
+        self, context: grpc.aio.ServicerContext[Any, Any], upto: int | None = None
+    ) -> None:
+        """Wait until every accepted call so far (or the journal's first ``upto``
+        items) is durable; a broken journal ends the call."""
         try:
-            await self._durable()
+            await self._journal.durable(upto)
         except JournalFailed as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
@@ -266,7 +307,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         request: pb.StreamActionsRequest,
         context: grpc.aio.ServicerContext[pb.StreamActionsRequest, pb.Action],
     ) -> AsyncIterator[pb.Action]:
-        ready = Wake()
+        ready = Ready(self._journal)
         try:
             subscription = self._subscribe(
                 request.engine_id, request.incarnation, request.session_id, ready.set
@@ -312,15 +353,16 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         self,
         context: grpc.aio.ServicerContext[Any, Message],
         subscription: Subscription,
-        ready: Wake,
+        ready: Ready,
         beat: Heartbeat | None,
         render: Callable[[list[Dispatch]], Sequence[Message]],
         heartbeat: Callable[[], Message],
         finished: Callable[[], Awaitable[bool]] | None = None,
     ) -> AsyncIterator[Message]:
         """The one writer of both engine streams (StreamActions, Connect): what
-        ``subscription`` is owed, ``render``-ed, each batch after the durability
-        barrier and, while the loop is behind, the linger (linger.py); a
+        ``subscription`` is owed, ``render``-ed, each batch once the journal is
+        committed as far as it owes (:class:`Ready`) and, while the loop is
+        behind, after the linger (linger.py); a
         heartbeat only where it would otherwise wait; until the stream is
         replaced or ``finished`` says it is done."""
         linger = Linger(self.registry.settings.stream_linger_ms / 1000)
@@ -330,9 +372,10 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
             dispatches = self.registry.take(subscription, STREAM_BATCH)
             if dispatches is None:
                 return  # replaced by a newer stream for this engine
+            owes = ready.owes  # covers every ack and action queued so far
             messages = render(dispatches)
             if messages:
-                await self.durably(context)
+                await self.durably(context, owes)
                 self._first_writes(dispatches)
                 for message in messages:
                     yield message
@@ -365,7 +408,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         context: grpc.aio.ServicerContext[pb.ConnectRequest, pb.ConnectResponse],
     ) -> AsyncIterator[pb.ConnectResponse]:
         first = await anext(aiter(request_iterator), None)
-        ready = Wake()
+        ready = Ready(self._journal)
         try:
             hello = _hello(first)
             subscription = self._subscribe(
@@ -409,7 +452,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
         engine_id: str,
         requests: AsyncIterator[pb.ConnectRequest],
         owed: Owed,
-        ready: asyncio.Event,
+        ready: Ready,
     ) -> None:
         try:
             async for request in requests:
@@ -424,6 +467,7 @@ class Servicer(pb_grpc.HandoffCoordinatorServicer):
                     elif index % REPORTS_PER_TURN == 0:
                         # One stream's batch must not hold the loop: other
                         # streams and calls run between its slices of reports.
+                        ready.queued()
                         await asyncio.sleep(0)
                 ready.set()
         finally:
