@@ -32,18 +32,16 @@ import argparse
 import multiprocessing
 import statistics
 import tempfile
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.pool import Pool
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.ab import baseline_server
 from bench.load import LoadSpec
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, label, load_average, ms, percentile, say
+from handoff_client.sim.scrape import fetch, parse
 
 FRACTIONS = (0.5, 0.8)
 # The servers serve their metrics, on a free port, for their own figure.
@@ -273,17 +271,13 @@ def dispatch_buckets(server: ServerProcess) -> Buckets:
     """The server's handoff_dispatch_latency_seconds buckets, HOP_ACTIONS summed."""
     if server.metrics_port is None:
         return {}
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+    scraped = parse(fetch(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout_s=10))
     buckets: Buckets = {}
-    for family in text_string_to_metric_families(text):
-        if family.name != "handoff_dispatch_latency_seconds":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_bucket") and sample.labels["kind"] in HOP_ACTIONS:
-                bound = float(sample.labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    for (name, labels), value in scraped.samples.items():
+        label = dict(labels)
+        if name == "handoff_dispatch_latency_seconds_bucket" and label["kind"] in HOP_ACTIONS:
+            bound = float(label["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + value
     return buckets
 
 
