@@ -176,7 +176,8 @@ def test_compaction_keeps_the_file_flat_under_steady_load(tmp_path: Path) -> Non
     expiring the round before, and the files stop growing once the WAL has
     reached its checkpoint size (SQLite reuses the freed pages)."""
     now = [1_800_000_000.0]
-    journal = Journal.open(tmp_path)
+    # A quarter of the server's checkpoint size, so the WAL reaches it early.
+    journal = Journal.open(tmp_path, checkpoint_bytes=4 * 2**20)
     clock = ReplayClock(lambda: now[0])
     registry = Registry(Settings(retention_s=10.0, delivery_timeout_s=1e6), Metrics(), clock)
     recover(journal, registry, clock)

@@ -34,7 +34,6 @@ from handoff_server.durability.journal import (
     DATABASE,
     LOOP_BATCH_MAX,
     ROWS_PER_STATEMENT,
-    WAL_CHECKPOINT_BYTES,
     Journal,
 )
 from tests.support.holder import holding
@@ -42,6 +41,9 @@ from tests.support.rpc import SOURCE, StreamRecorder, start_request
 from tests.support.servers import StartServer
 
 CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
+# SQLite's own checkpoint size, a quarter of the server's: these tests write
+# a few WALs' worth in seconds.
+CHECKPOINT_BYTES = 4 * 2**20
 BODY: list[object] = ["note", "x" * 1000]  # about a quarter of a page
 
 
@@ -98,7 +100,7 @@ async def write(
 
 @pytest.mark.timeout(60)
 async def test_normal_commits_on_the_loop_and_checkpoints_beside_them(tmp_path: Path) -> None:
-    journal = Journal.open(tmp_path, "normal")
+    journal = Journal.open(tmp_path, "normal", checkpoint_bytes=CHECKPOINT_BYTES)
     where = Where(journal)
     journal.start_writer()
     beside: list[int] = []
@@ -124,7 +126,7 @@ async def test_normal_commits_on_the_loop_and_checkpoints_beside_them(tmp_path: 
         assert shrinks == journal.checkpoints
         # Bounded: past its size by what is committed while a copy runs, and a
         # checkpoint brings the file back to one commit's size.
-        assert max(sizes) < 2 * WAL_CHECKPOINT_BYTES, max(sizes)
+        assert max(sizes) < 2 * CHECKPOINT_BYTES, max(sizes)
         assert min(sizes[300:]) < 64 * 1024, min(sizes[300:])
     finally:
         await journal.close()
@@ -166,7 +168,7 @@ async def test_a_large_batch_commits_on_the_thread_in_few_statements(tmp_path: P
 
 @pytest.mark.timeout(60)
 async def test_full_commits_on_the_thread_only(tmp_path: Path) -> None:
-    journal = Journal.open(tmp_path, "full")
+    journal = Journal.open(tmp_path, "full", checkpoint_bytes=CHECKPOINT_BYTES)
     where = Where(journal)
     journal.start_writer()
     try:
@@ -188,7 +190,7 @@ async def test_a_reader_holding_the_wal_does_not_make_the_writer_wait(
     """A reader of an old snapshot (someone's sqlite3 shell) keeps the checkpoint
     from copying the whole WAL: commits go on, the writer retries a WAL's size
     later, and once the reader is gone the WAL is copied and shrinks again."""
-    journal = Journal.open(tmp_path, "normal")
+    journal = Journal.open(tmp_path, "normal", checkpoint_bytes=CHECKPOINT_BYTES)
     journal.start_writer()
     reader = sqlite3.connect(tmp_path / DATABASE, isolation_level=None)
     try:
@@ -199,7 +201,7 @@ async def test_a_reader_holding_the_wal_does_not_make_the_writer_wait(
             sizes = await asyncio.wait_for(write(journal, tmp_path, 700, 8), 30)
         assert "journal checkpoint copied" in caplog.text
         assert "another connection reads the journal" in caplog.text
-        assert max(sizes) > WAL_CHECKPOINT_BYTES  # it could not be copied back
+        assert max(sizes) > CHECKPOINT_BYTES  # it could not be copied back
         reader.execute("COMMIT")
         checkpoints = journal.checkpoints
         sizes = await write(journal, tmp_path, 800, 8)
@@ -234,7 +236,7 @@ async def test_a_commit_that_fails_on_the_loop_sends_nothing_and_stops_the_serve
             )
         # The next commit is a small one on the event loop: not the WAL's first,
         # and the WAL is far below its checkpoint size.
-        assert 0 < wal_bytes(tmp_path) < WAL_CHECKPOINT_BYTES
+        assert 0 < wal_bytes(tmp_path) < server.journal.checkpoint_bytes
         second = str(uuid.uuid4())
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.StartHandoff(start_request(second))

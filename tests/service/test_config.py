@@ -51,7 +51,7 @@ def test_every_setting_has_a_flag_and_a_variable_in_help(
         ({"HANDOFF_MAX_ACTIVE_HANDOFFS": "0"}, "max_active_handoffs must be >= 1"),
         (
             {"HANDOFF_JOURNAL_RESERVE_MIB": "4"},
-            "journal_reserve_mib must be 0 \\(never refuse\\) or at least 8, got 4",
+            "journal_reserve_mib must be 0 \\(never refuse\\) or at least 32, got 4",
         ),
         ({"HANDOFF_JOURNAL_RESERVE_MIB": "-1"}, "journal_reserve_mib must be 0"),
         ({"HANDOFF_JOURNAL_BUSY_TIMEOUT_S": "0"}, "journal_busy_timeout_s must be > 0"),

@@ -940,8 +940,9 @@ async def test_an_incarnation_dated_in_the_future_fences_nobody_out(served: Serv
 
 @pytest.fixture
 def volume(tmp_path: Path) -> Iterator[Path]:
-    """A real 16 MiB file system (tmpfs) for a state dir to fill."""
-    with small_volume(tmp_path / "volume", 16) as mounted:
+    """A real 64 MiB file system (tmpfs) for a state dir to fill: the
+    smallest reserve (32 MiB) and the journal beside it."""
+    with small_volume(tmp_path / "volume", 64) as mounted:
         yield mounted
 
 
@@ -957,7 +958,7 @@ async def test_a_filling_volume_refuses_new_handoffs_and_lets_the_others_end(
     (The client's own starts are refused meanwhile, as anyone's: that is the
     refusal, so it runs before and after, not during.)"""
     state = volume / "state"
-    flags = ("--state-dir", str(state), "--journal-reserve-mib", "8")
+    flags = ("--state-dir", str(state), "--journal-reserve-mib", "32")
     async with (
         asyncio.timeout(TIMEOUT_S),
         serving(tmp_path, *flags) as served,
@@ -981,7 +982,7 @@ async def test_a_filling_volume_refuses_new_handoffs_and_lets_the_others_end(
                 f"handoff {request.handoff_id}: the journal's volume (--state-dir {state}) has "
             ), details
             assert details.endswith(
-                " MiB left for the journal, less than the 8 MiB reserve (journal_reserve_mib): "
+                " MiB left for the journal, less than the 32 MiB reserve (journal_reserve_mib): "
                 "new handoffs are refused so the ones in flight can still be journaled to their "
                 "end; free space on that volume or grow it (handoffs that end and leave "
                 "retention free room in the journal too)"
@@ -999,7 +1000,7 @@ async def test_a_filling_volume_refuses_new_handoffs_and_lets_the_others_end(
     assert code == 2, output
     (line,) = output.strip().splitlines()
     assert (
-        f"cannot start: --state-dir {state}: its volume is full (0.0 MiB free of 16.0 MiB), "
+        f"cannot start: --state-dir {state}: its volume is full (0.0 MiB free of 64.0 MiB), "
         "so the journal cannot be written: free space on that volume or grow it, then start "
         "again (the journal is kept as it is, and its handoffs are recovered then)"
     ) in line

@@ -103,9 +103,12 @@ DATABASE = "journal.sqlite3"
 CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"
 DURABILITY = {"normal": "NORMAL", "full": "FULL"}
 READ_BATCH = 10_000
-# SQLite's own auto-checkpoint size (1000 pages of 4 KiB): a WAL larger than
-# this is copied into the database before the next commit.
-WAL_CHECKPOINT_BYTES = 4 * 2**20
+# A WAL larger than this is copied into the database (beside the commits).
+# Each checkpoint ends in a catch-up that holds one commit for some
+# milliseconds; at SQLite's own size (1000 pages, 4 MiB) that came several
+# times a second under load, often enough to set the p99 of every call
+# waiting for a commit (bench/RESULTS.md).
+WAL_CHECKPOINT_BYTES = 16 * 2**20
 # A batch larger than this is committed on the thread even when it cannot
 # fsync: the streaming path's batches at its maximum rate, where the loop
 # serves on meanwhile (about a tenth less CPU per handoff). Not smaller: a
@@ -174,6 +177,7 @@ class Journal:
         incarnation: int,
         next_seq: int,
         busy_timeout_s: float = 5.0,
+        checkpoint_bytes: int = WAL_CHECKPOINT_BYTES,
     ) -> None:
         self.state_dir = state_dir
         self.incarnation = incarnation  # this process's; larger than any before it
@@ -181,7 +185,8 @@ class Journal:
         self._wal = state_dir / (DATABASE + "-wal")
         # FULL fsyncs every commit, so no commit may run on the event loop.
         self._fsync_per_commit = self.synchronous == "FULL"
-        self._checkpoint_at = WAL_CHECKPOINT_BYTES  # WAL bytes
+        self.checkpoint_bytes = checkpoint_bytes  # the WAL's size that starts a checkpoint
+        self._checkpoint_at = checkpoint_bytes  # WAL bytes
         self._lock_fd = lock_fd
         self._next_seq = next_seq
         self._inserts: Inserts = []
@@ -223,7 +228,11 @@ class Journal:
 
     @classmethod
     def open(
-        cls, state_dir: Path, durability: str = "normal", busy_timeout_s: float = 5.0
+        cls,
+        state_dir: Path,
+        durability: str = "normal",
+        busy_timeout_s: float = 5.0,
+        checkpoint_bytes: int = WAL_CHECKPOINT_BYTES,
     ) -> Journal:
         """Lock ``state_dir``, open (or create) its journal, and take a new incarnation.
 
@@ -273,7 +282,9 @@ class Journal:
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(state_dir, connection, lock_fd, incarnation, last + 1, busy_timeout_s)
+        return cls(
+            state_dir, connection, lock_fd, incarnation, last + 1, busy_timeout_s, checkpoint_bytes
+        )
 
     # --- reading (recovery) -------------------------------------------------
 
@@ -539,7 +550,7 @@ class Journal:
         busy, frames, copied = db.execute(CHECKPOINT).fetchone()
         self.checkpoints += 1
         if busy or copied < frames:
-            self._checkpoint_at = self._wal_bytes() + WAL_CHECKPOINT_BYTES
+            self._checkpoint_at = self._wal_bytes() + self.checkpoint_bytes
             log.warning(
                 "journal checkpoint copied %d of %d WAL frames (another connection reads "
                 "the journal): the WAL grows to %d bytes before the next try",
@@ -550,7 +561,7 @@ class Journal:
         else:
             # The next commit begins the WAL again, and journal_size_limit=0
             # truncates the file to what that commit wrote.
-            self._checkpoint_at = WAL_CHECKPOINT_BYTES
+            self._checkpoint_at = self.checkpoint_bytes
 
     def _commit(
         self, inserts: Inserts, drops: Drops, engines: Engines, few_statements: bool = False

@@ -5,7 +5,7 @@ answered), and a server restarted on a full volume cannot even open it. So
 new starts are refused while the state dir's volume has less than
 ``journal_reserve_mib`` free: the handoffs in flight still have room for
 the rest of their records (a few hundred bytes a call) and the write-ahead
-log (about 4 MiB between checkpoints), and end; their rows are replaced by one,
+log (about 16 MiB between checkpoints), and end; their rows are replaced by one,
 and deleted when they leave retention. SQLite keeps those freed pages for
 its next writes without returning them to the volume, so they count as
 room too (measured by the journal after its commits while room is short).

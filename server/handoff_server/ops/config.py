@@ -296,7 +296,7 @@ class Settings:
 
     def _check_journal(self) -> None:
         if self.journal_reserve_mib != 0 and self.journal_reserve_mib < MIN_JOURNAL_RESERVE_MIB:
-            # The write-ahead log alone grows to about 4 MiB between checkpoints.
+            # The write-ahead log alone grows to about 16 MiB between checkpoints.
             raise ValueError(
                 f"journal_reserve_mib must be 0 (never refuse) or at least "
                 f"{MIN_JOURNAL_RESERVE_MIB}, got {self.journal_reserve_mib}"
@@ -358,7 +358,7 @@ class Settings:
 
 MAX_PORT = 65535
 # Twice the journal's write-ahead log at its checkpoint size (journal.py).
-MIN_JOURNAL_RESERVE_MIB = 8
+MIN_JOURNAL_RESERVE_MIB = 32
 # What Kubernetes puts in HANDOFF_PORT (and HANDOFF_PORT_50051_TCP, ...) for a
 # Service named "handoff" in the namespace, unless enableServiceLinks is off.
 SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://", re.IGNORECASE)
