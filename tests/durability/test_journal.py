@@ -25,10 +25,16 @@ from handoff_server.domain.model import (
     TransferTiming,
 )
 from handoff_server.domain.registry import Registry
-from handoff_server.durability.journal import DATABASE, Journal, NewerFormat, StateDirBusy
+from handoff_server.durability.journal import (
+    DATABASE,
+    WAL_CHECKPOINT_BYTES,
+    Journal,
+    NewerFormat,
+    StateDirBusy,
+)
 from handoff_server.durability.records import JournalRecorder
 from handoff_server.durability.recovery import ReplayClock, recover
-from handoff_server.ops.config import Settings
+from handoff_server.ops.config import MIN_JOURNAL_RESERVE_MIB, Settings
 from handoff_server.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +175,12 @@ def run_handoffs(registry: Registry, prefix: str, count: int) -> None:
         registry.report_fact(handoff_id, TransferCompleted())
         registry.report_outcome(handoff_id, 3, applied)
         registry.report_outcome(handoff_id, 4, applied)
+
+
+def test_the_smallest_reserve_holds_the_write_ahead_log_twice() -> None:
+    """--journal-reserve-mib's floor (config) follows the checkpoint size
+    (journal): below a full WAL, a volume short of room would fill anyway."""
+    assert MIN_JOURNAL_RESERVE_MIB * 2**20 >= 2 * WAL_CHECKPOINT_BYTES
 
 
 def test_compaction_keeps_the_file_flat_under_steady_load(tmp_path: Path) -> None:

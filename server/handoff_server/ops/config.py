@@ -357,7 +357,8 @@ class Settings:
 
 
 MAX_PORT = 65535
-# Twice the journal's write-ahead log at its checkpoint size (journal.py).
+# Twice the journal's write-ahead log at its checkpoint size (journal.py;
+# tests/durability/test_journal.py holds the two together).
 MIN_JOURNAL_RESERVE_MIB = 32
 # What Kubernetes puts in HANDOFF_PORT (and HANDOFF_PORT_50051_TCP, ...) for a
 # Service named "handoff" in the namespace, unless enableServiceLinks is off.
