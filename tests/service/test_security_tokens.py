@@ -21,7 +21,7 @@ from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.domain.authorization import Binding
 from handoff_server.ops import config
 from handoff_server.ops.config import Settings
-from handoff_server.service import bindings, security
+from handoff_server.service import arrival, bindings, security
 from handoff_server.service.app import Server
 from handoff_server.service.security import SecurityConfigError, TokenSet
 from tests.support.rpc import DESTINATION, SOURCE
@@ -395,3 +395,35 @@ def test_the_token_file_in_the_docs_loads_with_its_names_and_scopes(tmp_path: Pa
     assert ops is not None
     assert not ops.may_call("StartHandoff")
     assert ops.may_call("GetHandoff")
+
+
+async def test_a_refusal_waits_for_the_hello_it_would_race(
+    guarded: Server, channel: grpc.aio.Channel
+) -> None:
+    # gRPC's asyncio client reports INTERNAL "Internal error from Core" when
+    # its write of the hello fails because a refusal already ended the call
+    # (grpc/grpc issue 36066); under load about 1 in 300 refused Connects
+    # did. The server reads the hello before it refuses.
+    stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+    send = asyncio.Event()
+
+    async def late_hello() -> AsyncIterator[pb.ConnectRequest]:
+        await send.wait()
+        yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id=DESTINATION))
+        await asyncio.Event().wait()  # until the call ends
+
+    async with asyncio.timeout(TIMEOUT_S):
+        call = stub.Connect(late_hello(), metadata=bearer("not-a-token-0123456789"))
+        code = asyncio.ensure_future(call.code())
+        ended, _ = await asyncio.wait([code], timeout=arrival.REFUSAL_READ_S / 4)
+        assert not ended, "refused before the hello came"
+        send.set()
+        assert await code == grpc.StatusCode.UNAUTHENTICATED
+        # A caller that never sends its first message is refused all the same.
+        silent = stub.Connect(hold_open_after(asyncio.Event()), metadata=bearer("x" * 20))
+        assert await silent.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def hold_open_after(event: asyncio.Event) -> AsyncIterator[pb.ConnectRequest]:
+    await event.wait()
+    yield pb.ConnectRequest()

@@ -4,11 +4,14 @@ Every handler in front of the service and health is registered as a
 streaming one, so that it runs when a call arrives rather than when its
 message does: the call is counted at once (:class:`quotas.Budget`), and one
 that sends headers and nothing else is ended instead of holding a slot.
+A call refused before its first message is read has that message read
+first, so that the refusal is what its caller sees.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -51,3 +54,23 @@ async def first_message(
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: no request sent")
     slot.arrived()
     return request
+
+
+# How long a refused call's first message is waited for: a client writes it
+# as soon as its headers are out, so this bounds only callers that send none.
+REFUSAL_READ_S = 1.0
+
+
+async def read_before_refusal(requests: AsyncIterator[Any]) -> None:
+    """Take a refused call's first message, if it comes within
+    :data:`REFUSAL_READ_S`, before the refusal is sent.
+
+    gRPC's asyncio client loses the server's status when its write of a
+    stream's first message (Connect's hello) fails because the call already
+    ended: the caller sees INTERNAL "Internal error from Core" instead of,
+    say, UNAUTHENTICATED (grpc/grpc issue 36066). Once the server has read
+    that message, the client's write has completed and cannot fail.
+    """
+    with contextlib.suppress(TimeoutError, grpc.RpcError):
+        async with asyncio.timeout(REFUSAL_READ_S):
+            await anext(aiter(requests), None)

@@ -34,7 +34,7 @@ from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import RPCS, Metrics
 from handoff_server.service import bindings, convert, security
-from handoff_server.service.arrival import first_message
+from handoff_server.service.arrival import first_message, read_before_refusal
 from handoff_server.service.probes import SERVICE as HEALTH_SERVICE
 from handoff_server.service.quotas import Budget, Quotas, Slot
 from handoff_server.service.security import EngineIdentities, Token, TokenSet
@@ -172,7 +172,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             if isinstance(holder, str):
                 # Refused before the method is even looked up: an unknown
                 # method gets the same answer, and nothing of the request
-                # is read or parsed.
+                # is parsed.
                 self._count(method, grpc.StatusCode.UNAUTHENTICATED)
                 return _refusal(grpc.StatusCode.UNAUTHENTICATED, holder)
             rpc = method.removeprefix(SERVICE_PREFIX)
@@ -200,9 +200,18 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             self.metrics.rejected(rpc, code.name)
 
     async def _refuse(
-        self, rpc: str, context: Context, code: grpc.StatusCode, message: str
+        self,
+        rpc: str,
+        context: Context,
+        code: grpc.StatusCode,
+        message: str,
+        unread: AsyncIterator[Any] | None = None,
     ) -> NoReturn:
+        """End the call with ``code``; ``unread``: its requests, when its first
+        message is not read yet (:func:`arrival.read_before_refusal`)."""
         self.metrics.rejected(rpc, code.name)
+        if unread is not None:
+            await read_before_refusal(unread)
         await context.abort(code, message)
 
     def _identity(self, context: Context) -> str | None:
@@ -214,14 +223,14 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return None  # no certificate to read (and reading costs on every call)
         return security.certificate_identity(context.auth_context())
 
-    async def _enter(self, rpc: str, context: Context) -> Held:
+    async def _enter(self, rpc: str, context: Context, requests: AsyncIterator[Any]) -> Held:
         """Count a call as it arrives, before its first message, server-wide and
         for its caller's identity (or refuse it), and note who makes it;
         :meth:`_leave` what it holds when it ends."""
         slot = self.calls.enter()
         if slot is None:
             await self._refuse(
-                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal()
+                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, self.calls.refusal(), requests
             )
         held = Held(slot, self._identity(context))
         caller = bindings.caller_of(
@@ -238,13 +247,21 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             turn = self.quotas.arrive(held.identity, rpc, math.inf if left_s is None else left_s)
             if isinstance(turn, str):
                 slot.leave()
-                await self._refuse(rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, turn)
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                await self._refuse(rpc, context, code, turn, requests)
             held.arriving = True
             if turn > 0:
-                await self._wait_turn(rpc, context, held, turn)
+                await self._wait_turn(rpc, context, held, turn, requests)
         return held
 
-    async def _wait_turn(self, rpc: str, context: Context, held: Held, wait_s: float) -> None:
+    async def _wait_turn(
+        self,
+        rpc: str,
+        context: Context,
+        held: Held,
+        wait_s: float,
+        requests: AsyncIterator[Any],
+    ) -> None:
         """Hold a call past its identity's rate of calls until its turn: the
         caller is slowed to its rate, where a refusal at once would be tried
         again at once, each try costing a call, and its waiting calls take
@@ -264,7 +281,11 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if held.slot.evicted:
             self._leave(held)
             await self._refuse(
-                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, held.slot.budget.eviction()
+                rpc,
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                held.slot.budget.eviction(),
+                requests,
             )
 
     async def _first(
@@ -323,7 +344,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         inner = handler.stream_stream
 
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            held = await self._enter("ServerReflectionInfo", context)
+            held = await self._enter("ServerReflectionInfo", context, requests)
             self._arrived(held)  # counted as a call from the start
 
             async def arriving() -> AsyncIterator[Any]:
@@ -353,7 +374,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             starts = rpc == "StartHandoff"
 
             async def unary(requests: AsyncIterator[Any], context: Context) -> Any:
-                held = await self._enter(rpc, context)
+                held = await self._enter(rpc, context, requests)
                 try:
                     request = await self._first(rpc, requests, context, held)
                     if isinstance(request, Undecodable):
@@ -425,7 +446,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self, rpc: str, inner: Callable[[Any, Context], AsyncGenerator[Any, None]], undecodable: str
     ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            held = await self._enter(rpc, context)
+            held = await self._enter(rpc, context, requests)
             try:
                 request = await self._first(rpc, requests, context, held)
                 if isinstance(request, Undecodable):
@@ -457,7 +478,7 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
             # Counted as a call from its arrival, then once its hello names
             # its engine (within request_within_s) as that engine's stream.
-            held = await self._enter(rpc, context)
+            held = await self._enter(rpc, context, requests)
             try:
                 async with contextlib.aclosing(connected(requests, context, held)) as responses:
                     async for response in responses:
@@ -527,9 +548,11 @@ class Held:
 
 
 def _refusal(code: grpc.StatusCode, message: str) -> Handler:
-    # A stream-stream handler fits a call of any shape, and it never reads
-    # (so never deserializes) the request.
+    # A stream-stream handler fits a call of any shape, and it never
+    # deserializes the request (the first is read as bytes, see
+    # arrival.read_before_refusal).
     async def refuse(requests: AsyncIterator[bytes], context: Context) -> None:
+        await read_before_refusal(requests)
         await context.abort(code, message)
 
     return grpc.stream_stream_rpc_method_handler(refuse)
