@@ -17,7 +17,7 @@ import contextlib
 import signal
 import subprocess
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +54,7 @@ STALLS: list[tuple[str, int, str]] = [
     ("park", K.ACTION_KIND_ACTIVATE_DESTINATION, "outcome"),
     ("park", K.ACTION_KIND_RELEASE_SOURCE, "outcome"),
     ("retained", 0, ""),  # complete before the crash
-    ("cancel", 0, ""),  # canceled at once; its cleanup parked
+    ("cancel", 0, ""),  # canceled once its first action is out; its cleanup parked
     ("reopen", 0, ""),  # canceled after success; the decode's cancel parked
     ("fail", K.ACTION_KIND_START_TRANSFER, "outcome"),  # the transfer fails; cleanup parked
 ]
@@ -131,6 +131,7 @@ class Engine:
                 if len(self.world.subscribed) == len(PREFILLS + DECODES):
                     self.world.all_subscribed.set()
                 async for action in stream:
+                    self.world.delivered[action.handoff_id].set()
                     key = (action.handoff_id, action.id)
                     if action.kind == K.ACTION_KIND_COMPLETE:
                         if self.engine_id == self.world.plans[action.handoff_id].destination:
@@ -229,6 +230,9 @@ class World:
         # (NOOP, nothing held), so that handoff would never park.
         self.subscribed: set[str] = set()
         self.all_subscribed = asyncio.Event()
+        # A handoff's first action reached an engine's stream. Canceled any
+        # sooner, the server withdraws that action instead (nothing held).
+        self.delivered: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.notices: Counter[str] = Counter()  # Complete notices, per handoff
         self.noticed = asyncio.Condition()
 
@@ -261,6 +265,7 @@ async def frontend(stub: pb_grpc.HandoffCoordinatorAsyncStub, world: World, h: s
     await persist(lambda: stub.StartHandoff(start, wait_for_ready=True), world.ledger, h)
     canceled = pb.ReportFactRequest(handoff_id=h, fact=pb.Fact(canceled=pb.Canceled()))
     if plan.scenario == "cancel":
+        await world.delivered[h].wait()
         await persist(lambda: stub.ReportFact(canceled, wait_for_ready=True), world.ledger, h)
     elif plan.scenario == "reopen":
         await world.until_complete(h)
