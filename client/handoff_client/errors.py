@@ -172,10 +172,23 @@ _BY_FENCE: dict[str, type[HandoffRpcError]] = {
 OWNER_KEY = "handoff-owner"
 
 
+# What gRPC's asyncio client reports, instead of the server's status, when
+# its write on a stream fails because the server already ended the call
+# (grpc/grpc issue 36066): the reason the call ended is lost.
+_LOST_STATUS = ("Internal error from Core", "SendMessageOperation")
+
+
 def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
     """The typed exception for ``error``; raise it ``from error`` to keep the chain."""
     cls = _BY_CODE.get(error.code(), UnknownError)
     details = error.details() or ""
+    if cls is InternalError and _lost_status(error):
+        return UnavailableError(
+            "the server ended the stream while a message was being written to it, and "
+            "gRPC's asyncio client lost the server's reason (grpc/grpc issue 36066): "
+            "a server that is shutting down, or one older than 0.2.0 refusing the "
+            "stream (a token, a scope, its limits); a sidecar reconnects"
+        )
     if cls is FailedPreconditionError:
         # The stubs give the sync API's tuple; on grpc.aio it is a Metadata mapping.
         trailers = cast("grpc.aio.Metadata | None", error.trailing_metadata())
@@ -184,6 +197,11 @@ def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
         if (fence := _trailer(trailers, FENCE_KEY)) is not None:
             cls = _BY_FENCE.get(fence, cls)
     return cls(details)
+
+
+def _lost_status(error: grpc.aio.AioRpcError) -> bool:
+    details, debug = error.details() or "", error.debug_error_string() or ""
+    return details == _LOST_STATUS[0] and _LOST_STATUS[1] in debug
 
 
 def _trailer(trailers: grpc.aio.Metadata | None, key: str) -> str | None:

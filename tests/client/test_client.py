@@ -34,11 +34,13 @@ from handoff_client.errors import (
     AlreadyExistsError,
     FailedPreconditionError,
     HandoffRpcError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    error_for,
 )
 from handoff_server.service.app import Server
 from tests.support.fakes import free_port
@@ -211,6 +213,31 @@ async def test_start_handoff_gives_up_after_max_attempts() -> None:
             async with asyncio.timeout(TIMEOUT_S):
                 await start_vllm(client)
     assert rng.draws == 3
+
+
+def test_a_status_lost_to_a_failed_write_is_unavailable_not_internal() -> None:
+    # What gRPC's asyncio client raised in CI for a Connect refused while its
+    # hello was being written (grpc/grpc issue 36066); any other INTERNAL stays.
+    lost = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL,
+        initial_metadata=grpc.aio.Metadata(),
+        trailing_metadata=grpc.aio.Metadata(),
+        details="Internal error from Core",
+        debug_error_string='Failed "execute_batch": '
+        "(<grpc._cython.cygrpc.SendMessageOperation object at 0x7f9a3edb4a30>,)",
+    )
+    error = error_for(lost)
+    assert isinstance(error, UnavailableError)
+    assert "lost the server's reason" in error.details
+    assert "36066" in error.details
+    internal = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL,
+        initial_metadata=grpc.aio.Metadata(),
+        trailing_metadata=grpc.aio.Metadata(),
+        details="Internal error from Core",
+        debug_error_string="",
+    )
+    assert type(error_for(internal)) is InternalError
 
 
 async def test_the_token_goes_with_every_call(
