@@ -112,7 +112,12 @@ async def test_every_fault_at_small_scale_leaks_nothing(
     assert len(result.killed) == 1
     assert len(result.slow) == 1
     assert len(result.restarted) == 1
-    assert result.stuck_handlers == 2
+    # The chosen engine hangs its next two prefills or reservations from a
+    # fifth of the way in. Its connection drops every 2 s or so for 1.5 s
+    # (LONG_BLACKOUTS), and what it would get in a blackout is settled as
+    # lost instead: on a loaded machine only one more may reach a handler
+    # (seen once, with the suite beside two busy loops).
+    assert 1 <= result.stuck_handlers <= 2
     # Every handoff finished: COMPLETE, or abandoned because an engine of its
     # died or a handler of its hung past the cleanup timeout.
     assert counters.started == len(result.journeys) > 50
