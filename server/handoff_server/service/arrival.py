@@ -58,6 +58,8 @@ async def first_message(
 
 # How long a refused call's first message is waited for: a client writes it
 # as soon as its headers are out, so this bounds only callers that send none.
+# What is read is at most max_message_bytes (64 KiB by default), about what
+# HTTP/2's flow control lets a stream send before anything reads it.
 REFUSAL_READ_S = 1.0
 
 
