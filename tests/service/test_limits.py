@@ -22,7 +22,7 @@ from handoff_proto.v1 import coordinator_pb2_grpc as pb_grpc
 from handoff_server.domain.registry import Registry
 from handoff_server.ops.config import Settings
 from handoff_server.ops.metrics import Metrics
-from handoff_server.service import servicer
+from handoff_server.service import arrival, servicer
 from handoff_server.service.app import Server
 from handoff_server.service.servicer import MAX_REPORTS_PER_MESSAGE
 from tests.support.fuzz import REFUSAL_NUMBERS
@@ -153,6 +153,12 @@ async def hello_then_wait(engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
     await asyncio.Event().wait()  # keeps the stream open until it is canceled
 
 
+async def hello_after(send: asyncio.Event, engine_id: str) -> AsyncIterator[pb.ConnectRequest]:
+    await send.wait()
+    async for request in hello_then_wait(engine_id):
+        yield request
+
+
 async def reflecting(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall[Any, Any]:
     """A reflection stream, open once its first answer arrived: a call of the
     service's that stays in flight and belongs to no engine."""
@@ -180,6 +186,15 @@ async def test_calls_in_flight_server_wide_are_capped(start_server: StartServer)
         assert await refused.details() == (
             "3 calls already in flight, the limit (max_concurrent_rpcs)"
         )
+        # A Connect refused so is refused once its hello is read: a refusal
+        # racing the client's write of it could reach the client as INTERNAL.
+        send = asyncio.Event()
+        late = stub.Connect(hello_after(send, "e1"))
+        code = asyncio.ensure_future(late.code())
+        ended, _ = await asyncio.wait([code], timeout=arrival.REFUSAL_READ_S / 4)
+        assert not ended, "refused before its hello came"
+        send.set()
+        assert await code is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert server.registry.handoffs == {}
         # Health has a budget of its own: the service's load never fails a probe.
         health = health_pb2_grpc.HealthStub(channel)
