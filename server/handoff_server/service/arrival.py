@@ -5,7 +5,8 @@ streaming one, so that it runs when a call arrives rather than when its
 message does: the call is counted at once (:class:`quotas.Budget`), and one
 that sends headers and nothing else is ended instead of holding a slot.
 A call refused before its first message is read has that message read
-first, so that the refusal is what its caller sees.
+first, so that the refusal is what its caller sees (an evicted call is not
+waited for: evictions shed calls that send nothing).
 """
 
 from __future__ import annotations

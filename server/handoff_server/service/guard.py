@@ -251,17 +251,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 await self._refuse(rpc, context, code, turn, requests)
             held.arriving = True
             if turn > 0:
-                await self._wait_turn(rpc, context, held, turn, requests)
+                await self._wait_turn(rpc, context, held, turn)
         return held
 
-    async def _wait_turn(
-        self,
-        rpc: str,
-        context: Context,
-        held: Held,
-        wait_s: float,
-        requests: AsyncIterator[Any],
-    ) -> None:
+    async def _wait_turn(self, rpc: str, context: Context, held: Held, wait_s: float) -> None:
         """Hold a call past its identity's rate of calls until its turn: the
         caller is slowed to its rate, where a refusal at once would be tried
         again at once, each try costing a call, and its waiting calls take
@@ -280,12 +273,10 @@ class Guard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             raise
         if held.slot.evicted:
             self._leave(held)
+            # Ended at once, unread: evictions shed a crowd of calls without
+            # messages, and waiting on each for its message would keep them.
             await self._refuse(
-                rpc,
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                held.slot.budget.eviction(),
-                requests,
+                rpc, context, grpc.StatusCode.RESOURCE_EXHAUSTED, held.slot.budget.eviction()
             )
 
     async def _first(
