@@ -261,8 +261,8 @@ async def test_unauthenticated_health_streams_take_none_of_the_service_s_calls(
     ):
         async with attacker() as attack:
             watch_codes, check_codes = await attack(health_stream_flood, served.target)
-        # Refused before the request is read; the client sometimes sees the
-        # stream's reset (CANCELLED) before the refusal. Never served.
+        # Refused without the request being parsed; the client sometimes sees
+        # the stream's reset (CANCELLED) before the refusal. Never served.
         assert set(watch_codes) <= {"UNAUTHENTICATED", "CANCELLED"}
         assert watch_codes.count("UNAUTHENTICATED") > len(watch_codes) // 2
         # Each silent Check is ended after health_request_within_s, or at
@@ -859,7 +859,16 @@ async def test_calls_without_their_message_are_counted_when_they_arrive(tmp_path
         "16 health checks were waiting for their first message, half the limit "
         "(max_health_checks): the oldest is ended to admit a new one",
     ) in ended, details
-    assert {code for code, _ in ended} <= {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, details
+    # The health port takes 8 streams per connection, the crowd's 8 there are
+    # renewed as each ends, and gRPC's core counts an ended stream until it is
+    # done with it: a renewal may come first and be refused by the transport
+    # itself (REFUSED_STREAM: in 3 of 6 runs beside a busy loop, once in CI).
+    refused_stream = "Stream removed (RST_STREAM (Received RST_STREAM with error code 7))"
+    assert {
+        (code, detail)
+        for code, detail in ended
+        if code not in ("RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED")
+    } <= {("UNAVAILABLE", refused_stream)}, details
 
 
 async def test_one_identity_cannot_take_every_engine_slot(tmp_path: Path) -> None:
