@@ -174,15 +174,21 @@ OWNER_KEY = "handoff-owner"
 
 # What gRPC's asyncio client reports, instead of the server's status, when
 # its write on a stream fails because the server already ended the call
-# (grpc/grpc issue 36066): the reason the call ended is lost.
-_LOST_STATUS = ("Internal error from Core", "SendMessageOperation")
+# (grpc/grpc issue 36066): these details, and the failed write named in its
+# debug string. The reason the call ended is lost.
+_LOST_DETAILS = "Internal error from Core"
+_FAILED_WRITE = "SendMessageOperation"
 
 
 def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
     """The typed exception for ``error``; raise it ``from error`` to keep the chain."""
     cls = _BY_CODE.get(error.code(), UnknownError)
     details = error.details() or ""
-    if cls is InternalError and _lost_status(error):
+    if (
+        cls is InternalError
+        and details == _LOST_DETAILS
+        and _FAILED_WRITE in (error.debug_error_string() or "")
+    ):
         return UnavailableError(
             "the server ended the stream while a message was being written to it, and "
             "gRPC's asyncio client lost the server's reason (grpc/grpc issue 36066): "
@@ -197,11 +203,6 @@ def error_for(error: grpc.aio.AioRpcError) -> HandoffRpcError:
         if (fence := _trailer(trailers, FENCE_KEY)) is not None:
             cls = _BY_FENCE.get(fence, cls)
     return cls(details)
-
-
-def _lost_status(error: grpc.aio.AioRpcError) -> bool:
-    details, debug = error.details() or "", error.debug_error_string() or ""
-    return details == _LOST_STATUS[0] and _LOST_STATUS[1] in debug
 
 
 def _trailer(trailers: grpc.aio.Metadata | None, key: str) -> str | None:
