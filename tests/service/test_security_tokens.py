@@ -405,25 +405,25 @@ async def test_a_refusal_waits_for_the_hello_it_would_race(
     # (grpc/grpc issue 36066); under load about 1 in 300 refused Connects
     # did. The server reads the hello before it refuses.
     stub: Stub = pb_grpc.HandoffCoordinatorStub(channel)
+    hello = pb.ConnectRequest(hello=pb.ConnectHello(engine_id=DESTINATION))
     send = asyncio.Event()
-
-    async def late_hello() -> AsyncIterator[pb.ConnectRequest]:
-        await send.wait()
-        yield pb.ConnectRequest(hello=pb.ConnectHello(engine_id=DESTINATION))
-        await asyncio.Event().wait()  # until the call ends
-
     async with asyncio.timeout(TIMEOUT_S):
-        call = stub.Connect(late_hello(), metadata=bearer("not-a-token-0123456789"))
+        call = stub.Connect(hold_open_after(send, hello), metadata=bearer("not-a-token-0123456789"))
         code = asyncio.ensure_future(call.code())
         ended, _ = await asyncio.wait([code], timeout=arrival.REFUSAL_READ_S / 4)
         assert not ended, "refused before the hello came"
         send.set()
         assert await code == grpc.StatusCode.UNAUTHENTICATED
         # A caller that never sends its first message is refused all the same.
-        silent = stub.Connect(hold_open_after(asyncio.Event()), metadata=bearer("x" * 20))
+        never = asyncio.Event()
+        silent = stub.Connect(hold_open_after(never, hello), metadata=bearer("x" * 20))
         assert await silent.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def hold_open_after(event: asyncio.Event) -> AsyncIterator[pb.ConnectRequest]:
-    await event.wait()
-    yield pb.ConnectRequest()
+async def hold_open_after(
+    send: asyncio.Event, first: pb.ConnectRequest
+) -> AsyncIterator[pb.ConnectRequest]:
+    """:func:`hold_open`, its first message sent once ``send`` is set."""
+    await send.wait()
+    async for request in hold_open(first):
+        yield request
