@@ -2,12 +2,30 @@
 
 Each server owns its own CollectorRegistry, so tests can run several servers
 in one process and read exact values.
+
+The series are plain numbers, updated on the event loop, and one collector
+hands them to the registry, which prometheus_client renders as before
+(``_created`` samples and exemplars included). prometheus_client's own series
+take a lock on every update, and every handoff makes a score of them
+(bench/RESULTS.md, "Issue 26: own metric series"). A scrape renders on
+another thread: it copies each family's children first, so a label value
+added meanwhile cannot break it, and it may read a histogram's sum one
+observation apart from its count, as prometheus_client's may.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Exemplar
+from prometheus_client.utils import floatToGoString
 
 from handoff_server.domain.model import (
     FACT_KINDS,
@@ -40,148 +58,254 @@ RPCS = (
     "Reconcile",
 )
 
+# prometheus_client's switch for the ``_created`` samples, read as it reads it.
+CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in (
+    "true",
+    "1",
+    "t",
+)
+
+Labels = dict[str, str]
+Sample = tuple[str, Labels, float, "Exemplar | None"]
+
+
+class Counter:
+    """One counter series."""
+
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value: float = 0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def samples(self, name: str, labels: Labels) -> Iterator[Sample]:
+        yield name + "_total", labels, self.value, None
+        if CREATED:
+            yield name + "_created", labels, self.created, None
+
+
+class Gauge:
+    """One gauge series."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float = 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def samples(self, name: str, labels: Labels) -> Iterator[Sample]:
+        yield name, labels, self.value, None
+
+
+class Histogram:
+    """One histogram series: a count per bucket (not cumulative until a
+    scrape adds them up) and, per bucket, the latest observation's exemplar."""
+
+    __slots__ = ("bounds", "les", "counts", "sum", "exemplars", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = (*bounds, float("inf"))
+        self.les = tuple(floatToGoString(bound) for bound in self.bounds)  # type: ignore[no-untyped-call]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+        self.exemplars: list[Exemplar | None] = [None] * len(self.bounds)
+        self.created = time.time()
+
+    def observe(self, amount: float, exemplar: Labels | None = None) -> None:
+        bucket = bisect_left(self.bounds, amount)  # the first bound >= amount
+        self.counts[bucket] += 1
+        self.sum += amount
+        if exemplar:
+            self.exemplars[bucket] = Exemplar(exemplar, amount, time.time())
+
+    def samples(self, name: str, labels: Labels) -> Iterator[Sample]:
+        total = 0
+        for le, count, exemplar in zip(
+            self.les, list(self.counts), list(self.exemplars), strict=True
+        ):
+            total += count
+            yield name + "_bucket", {**labels, "le": le}, total, exemplar
+        yield name + "_count", labels, total, None
+        yield name + "_sum", labels, self.sum, None
+        if CREATED:
+            yield name + "_created", labels, self.created, None
+
+
+S = TypeVar("S", Counter, Gauge, Histogram)
+
+
+class Family(Generic[S]):
+    """A metric: its name, help, type and one series per set of label values."""
+
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        documentation: str,
+        labelnames: Iterable[str],
+        make: Callable[[], S],
+    ) -> None:
+        self.kind = kind
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.make: Callable[[], S] = make
+        self.children: dict[tuple[str, ...], S] = {}
+
+    def labels(self, *values: str) -> S:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} is labelled {self.labelnames}, not {values}")
+            child = self.children[values] = self.make()
+        return child
+
+    def metric(self) -> Metric:
+        metric = Metric(self.name, self.documentation, self.kind)
+        for values, child in self.children.copy().items():  # a copy is atomic; see above
+            labels = dict(zip(self.labelnames, values, strict=True))
+            for name, labelled, value, exemplar in child.samples(self.name, labels):
+                metric.add_sample(name, labelled, value, None, exemplar)
+        return metric
+
+
+class _Families(Collector):
+    def __init__(self) -> None:
+        self.families: list[Family[Counter] | Family[Gauge] | Family[Histogram]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families:
+            yield family.metric()
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.started = Counter("handoff_started", "Handoffs started.", registry=r)
-        self.completed = Counter(
-            "handoff_completed", "Handoff completions by result.", ["result"], registry=r
+        self._families = _Families()
+        self.registry.register(self._families)
+        self.started = self._counter("handoff_started", "Handoffs started.")
+        self.completed = self._counters(
+            "handoff_completed", "Handoff completions by result.", "result"
         )
-        self.reopened = Counter(
+        self.reopened = self._counter(
             "handoff_reopened",
             "Successful handoffs reopened by a terminal fact or a lost decode.",
-            registry=r,
         )
-        self.timed_out = Counter(
-            "handoff_timed_out", "Handoffs whose deadline passed while active.", registry=r
+        self.timed_out = self._counter(
+            "handoff_timed_out", "Handoffs whose deadline passed while active."
         )
-        self.abandoned = Counter(
+        self.abandoned = self._counter(
             "handoff_abandoned",
             "Handoffs removed while still cleaning up after cleanup_timeout.",
-            registry=r,
         )
-        self.trace_context_dropped = Counter(
+        self.trace_context_dropped = self._counters(
             "handoff_trace_context_dropped",
             "StartHandoff trace context headers dropped, by header: not one valid W3C "
             "traceparent, or a tracestate without one or over 512 bytes.",
-            ["header"],
-            registry=r,
+            "header",
         )
-        self.engines_lost = Counter(
+        self.engines_lost = self._counters(
             "handoff_engines_lost",
             "Engines declared lost in their unfinished handoffs, by cause: restarted (a new "
             "incarnation subscribed), unreachable (no live stream for delivery_timeout) or "
             "reconciled (its sidecar freed the side on its own: lease, orphan).",
-            ["cause"],
-            registry=r,
+            "cause",
         )
-        self.timer_errors = Counter(
+        self.timer_errors = self._counter(
             "handoff_timer_errors",
             "Timers that raised while firing (logged with the handoff or engine id).",
-            registry=r,
         )
-        self.redeliveries = Counter(
-            "handoff_redeliveries", "Actions re-sent to an engine, by kind.", ["kind"], registry=r
+        self.redeliveries = self._counters(
+            "handoff_redeliveries", "Actions re-sent to an engine, by kind.", "kind"
         )
-        self.facts = Counter(
-            "handoff_facts", "Facts applied, by kind and origin.", ["kind", "origin"], registry=r
+        self.facts = self._counters(
+            "handoff_facts", "Facts applied, by kind and origin.", "kind", "origin"
         )
-        self.actions = Counter("handoff_actions", "Actions issued, by kind.", ["kind"], registry=r)
-        self.outcomes = Counter(
-            "handoff_outcomes", "Outcomes accepted, by kind.", ["kind"], registry=r
+        self.actions = self._counters("handoff_actions", "Actions issued, by kind.", "kind")
+        self.outcomes = self._counters("handoff_outcomes", "Outcomes accepted, by kind.", "kind")
+        self.rejections = self._counters(
+            "handoff_rejections", "Rejected calls, by RPC and gRPC code.", "rpc", "code"
         )
-        self.rejections = Counter(
-            "handoff_rejections",
-            "Rejected calls, by RPC and gRPC code.",
-            ["rpc", "code"],
-            registry=r,
-        )
-        self.handoffs = Gauge("handoff_handoffs", "Handoffs held, by phase.", ["phase"], registry=r)
-        self.engine_streams = Gauge(
-            "handoff_engine_streams", "Live engine action streams.", registry=r
-        )
-        self.duration = Histogram(
+        self.handoffs = self._gauges("handoff_handoffs", "Handoffs held, by phase.", "phase")
+        self.engine_streams = self._gauge("handoff_engine_streams", "Live engine action streams.")
+        self.duration = self._histograms(
             "handoff_duration_seconds",
             "Time from start to completion, by result.",
-            ["result"],
-            buckets=DURATION_BUCKETS,
-            registry=r,
+            DURATION_BUCKETS,
+            "result",
         )
-        self.action_latency = Histogram(
+        self.action_latency = self._histograms(
             "handoff_action_latency_seconds",
             "Time from an action's issue to its outcome, by kind.",
-            ["kind"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            LATENCY_BUCKETS,
+            "kind",
         )
-        self.dispatch_latency = Histogram(
+        self.dispatch_latency = self._histograms(
             "handoff_dispatch_latency_seconds",
             "Time from the call that issued an action to its first write to the engine's "
             "stream, the journal's commit included: the coordinator's own share of a hop, "
             "by kind.",
-            ["kind"],
-            buckets=DISPATCH_BUCKETS,
-            registry=r,
+            DISPATCH_BUCKETS,
+            "kind",
         )
-        self.source_hold = Histogram(
+        self.source_hold = self._histograms(
             "handoff_source_hold_seconds",
             "Time the source held its KV: SourceHeld until released or canceled.",
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        )
-        self.recovered_handoffs = Gauge(
+            DURATION_BUCKETS,
+        ).labels()
+        self.recovered_handoffs = self._gauge(
             "handoff_recovered_handoffs",
             "Handoffs this server recovered from its journal at start (0 without one).",
-            registry=r,
         )
-        self.recovery_seconds = Gauge(
+        self.recovery_seconds = self._gauge(
             "handoff_recovery_seconds",
             "How long this server's start spent replaying its journal.",
-            registry=r,
         )
-        self.shard_info = Gauge(
+        self.shard_info = self._gauges(
             "handoff_shard_info",
             "1, labelled with the name of the shard this process is (docs/sharding.md).",
-            ["shard"],
-            registry=r,
+            "shard",
         )
-        self.misrouted_starts = Counter(
+        self.misrouted_starts = self._counter(
             "handoff_misrouted_starts",
             "StartHandoff calls refused because another shard owns the id (a client "
             "routing on another shard map).",
-            registry=r,
         )
-        self.cancellations = Counter(
+        self.cancellations = self._counters(
             "handoff_cancellations",
             "Handoffs completed canceled, by why they went into cleanup (the reason "
             "GetHandoff shows): frontend_canceled, deadline, engine_lost, action_failed, "
             "failed, drain.",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.calls_paced = Counter(
+        self.calls_paced = self._counter(
             "handoff_calls_paced",
             "Calls that waited for their turn because their caller identity reached its rate "
             "of calls (--max-calls-per-s-per-identity), each at most --rate-wait-s.",
-            registry=r,
         )
-        self.reports_paced = Counter(
+        self.reports_paced = self._counter(
             "handoff_reports_paced",
             "Connect messages held back because their caller identity reached its rate of "
             "reports (--max-reports-per-s-per-identity): its streams are read more slowly.",
-            registry=r,
         )
-        self.unknown_engine_starts = Counter(
+        self.unknown_engine_starts = self._counter(
             "handoff_unknown_engine_starts",
             "StartHandoff calls naming an engine that has not subscribed to this server "
             "since it started (a typo, or engines that connect later); refused with "
             "--require-known-engines.",
-            registry=r,
         )
-        # Label children resolved once: .labels() costs a lock and a dict
-        # lookup on every call, and these run on every handoff.
+        # Label children resolved once, so a handoff's updates skip the lookup.
         self.completed_by = {c: self.completed.labels(c.value) for c in Completion}
         self.cancellations_by: dict[EndCause, Counter] = {
             c: self.cancellations.labels(c.value) for c in EndCause if c is not EndCause.SUCCEEDED
@@ -211,6 +335,28 @@ class Metrics:
     def rejected(self, rpc: str, code: str) -> None:
         self.rejections.labels(rpc, code).inc()
 
+    def _counters(self, name: str, documentation: str, *labelnames: str) -> Family[Counter]:
+        return self._family(Family("counter", name, documentation, labelnames, Counter))
+
+    def _counter(self, name: str, documentation: str) -> Counter:
+        return self._counters(name, documentation).labels()
+
+    def _gauges(self, name: str, documentation: str, *labelnames: str) -> Family[Gauge]:
+        return self._family(Family("gauge", name, documentation, labelnames, Gauge))
+
+    def _gauge(self, name: str, documentation: str) -> Gauge:
+        return self._gauges(name, documentation).labels()
+
+    def _histograms(
+        self, name: str, documentation: str, buckets: tuple[float, ...], *labelnames: str
+    ) -> Family[Histogram]:
+        make = lambda: Histogram(buckets)  # noqa: E731
+        return self._family(Family("histogram", name, documentation, labelnames, make))
+
+    def _family(self, family: Family[S]) -> Family[S]:
+        self._families.families.append(family)
+        return family
+
 
 class _Discarded:
     """A series that keeps nothing it is told."""
@@ -227,16 +373,18 @@ class _Discarded:
     def observe(self, amount: float, exemplar: object = None) -> None:
         pass
 
+    def labels(self, *values: str) -> _Discarded:
+        return self
+
 
 def discarding() -> Metrics:
     """Metrics whose every series discards what it is told: a journal's
-    replay runs every call again, and its history is not news (real series'
-    locks and label lookups cost a replay dearly: bench/RESULTS.md)."""
+    replay runs every call again, and its history is not news."""
     metrics = Metrics()
     discarded = _Discarded()
     for name, value in list(vars(metrics).items()):
         if isinstance(value, dict):
             setattr(metrics, name, dict.fromkeys(value, discarded))
-        elif isinstance(value, MetricWrapperBase):
+        elif isinstance(value, (Counter, Gauge, Histogram, Family)):
             setattr(metrics, name, discarded)
     return metrics
