@@ -14,25 +14,33 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 
-class Order(enum.Enum):
+class Word(enum.Enum):
+    """A word of the vocabulary, hashed as the one object it is: Enum's own
+    ``__hash__`` is a Python call on every dict lookup, a hundred per
+    handoff (bench/RESULTS.md, "Issue 26: enum members hashed by identity")."""
+
+    __hash__ = object.__hash__
+
+
+class Order(Word):
     """Which side of the handoff moves first."""
 
     SOURCE_FIRST = "source_first"  # vLLM, TensorRT-LLM: prefill holds, decode pulls.
     DESTINATION_FIRST = "destination_first"  # SGLang: decode reserves, prefill writes.
 
 
-class Phase(enum.Enum):
+class Phase(Word):
     ACTIVE = "active"
     CLEANING_UP = "cleaning_up"
     COMPLETE = "complete"
 
 
-class Completion(enum.Enum):
+class Completion(Word):
     SUCCESS = "success"
     CANCELED = "canceled"
 
 
-class Role(enum.Enum):
+class Role(Word):
     """An engine's part in a handoff: the prefill (source) or the decode (destination).
 
     BOTH only addresses an action: Complete is a notice to both engines.
@@ -46,7 +54,7 @@ class Role(enum.Enum):
 SIDES = (Role.SOURCE, Role.DESTINATION)
 
 
-class ActionKind(enum.Enum):
+class ActionKind(Word):
     SUBMIT_PREFILL = "submit_prefill"
     RESERVE_DESTINATION = "reserve_destination"
     START_TRANSFER = "start_transfer"
@@ -57,7 +65,7 @@ class ActionKind(enum.Enum):
     COMPLETE = "complete"
 
 
-class OutcomeKind(enum.Enum):
+class OutcomeKind(Word):
     SUBMITTED = "submitted"
     ACCEPTED = "accepted"
     SCHEDULED = "scheduled"
@@ -66,12 +74,12 @@ class OutcomeKind(enum.Enum):
     FAILED = "failed"
 
 
-class TimingMode(enum.Enum):
+class TimingMode(Word):
     FULL_PROMPT = "full_prompt"
     DESTINATION_MISSING = "destination_missing"
 
 
-class LifecycleEvent(enum.Enum):
+class LifecycleEvent(Word):
     """The normalized lifecycle: what a caller can prove happened, in order."""
 
     SOURCE_HELD = "source_held"
@@ -90,7 +98,7 @@ LOST_EVENT = {
 }
 
 
-class LostCause(enum.Enum):
+class LostCause(Word):
     """Why the server declared an engine lost in its unfinished handoffs."""
 
     RESTARTED = "restarted"  # a new incarnation subscribed
@@ -98,7 +106,7 @@ class LostCause(enum.Enum):
     RECONCILED = "reconciled"  # its sidecar freed the side on its own (lease, orphan)
 
 
-class EndCause(enum.Enum):
+class EndCause(Word):
     """Why a handoff went into cleanup (or succeeded): one per completion.
 
     Bounded, so it labels handoff_cancellations_total; the detail beside it
@@ -143,7 +151,7 @@ UNSPECIFIED_END = EndReason(EndCause.UNSPECIFIED)
 SUCCEEDED_END = EndReason(EndCause.SUCCEEDED)
 
 
-class ReleaseReason(enum.Enum):
+class ReleaseReason(Word):
     """Why an engine should free a side it holds (Reconcile)."""
 
     UNKNOWN_HANDOFF = "unknown_handoff"  # never started here, forgotten, or not its side
