@@ -15,6 +15,7 @@ observation apart from its count, as prometheus_client's may.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from bisect import bisect_left
@@ -24,7 +25,7 @@ from typing import Generic, TypeVar
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Exemplar
+from prometheus_client.samples import Exemplar, Sample
 from prometheus_client.utils import floatToGoString
 
 from handoff_server.domain.model import (
@@ -66,7 +67,6 @@ CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() n
 )
 
 Labels = dict[str, str]
-Sample = tuple[str, Labels, float, "Exemplar | None"]
 
 
 class Counter:
@@ -82,9 +82,9 @@ class Counter:
         self.value += amount
 
     def samples(self, name: str, labels: Labels) -> Iterator[Sample]:
-        yield name + "_total", labels, self.value, None
+        yield Sample(name + "_total", labels, self.value)
         if CREATED:
-            yield name + "_created", labels, self.created, None
+            yield Sample(name + "_created", labels, self.created)
 
 
 class Gauge:
@@ -105,7 +105,7 @@ class Gauge:
         self.value = value
 
     def samples(self, name: str, labels: Labels) -> Iterator[Sample]:
-        yield name, labels, self.value, None
+        yield Sample(name, labels, self.value)
 
 
 class Histogram:
@@ -135,11 +135,11 @@ class Histogram:
             self.les, list(self.counts), list(self.exemplars), strict=True
         ):
             total += count
-            yield name + "_bucket", {**labels, "le": le}, total, exemplar
-        yield name + "_count", labels, total, None
-        yield name + "_sum", labels, self.sum, None
+            yield Sample(name + "_bucket", {**labels, "le": le}, total, None, exemplar)
+        yield Sample(name + "_count", labels, total)
+        yield Sample(name + "_sum", labels, self.sum)
         if CREATED:
-            yield name + "_created", labels, self.created, None
+            yield Sample(name + "_created", labels, self.created)
 
 
 S = TypeVar("S", Counter, Gauge, Histogram)
@@ -175,25 +175,15 @@ class Family(Generic[S]):
         metric = Metric(self.name, self.documentation, self.kind)
         for values, child in self.children.copy().items():  # a copy is atomic; see above
             labels = dict(zip(self.labelnames, values, strict=True))
-            for name, labelled, value, exemplar in child.samples(self.name, labels):
-                metric.add_sample(name, labelled, value, None, exemplar)
+            metric.samples.extend(child.samples(self.name, labels))
         return metric
 
 
-class _Families(Collector):
-    def __init__(self) -> None:
-        self.families: list[Family[Counter] | Family[Gauge] | Family[Histogram]] = []
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.families:
-            yield family.metric()
-
-
-class Metrics:
+class Metrics(Collector):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._families = _Families()
-        self.registry.register(self._families)
+        self._families: list[Family[Counter] | Family[Gauge] | Family[Histogram]] = []
+        self.registry.register(self)
         self.started = self._counter("handoff_started", "Handoffs started.")
         self.completed = self._counters(
             "handoff_completed", "Handoff completions by result.", "result"
@@ -332,6 +322,10 @@ class Metrics:
             for code in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND"):
                 self.rejections.labels(rpc, code)
 
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.metric()
+
     def rejected(self, rpc: str, code: str) -> None:
         self.rejections.labels(rpc, code).inc()
 
@@ -350,11 +344,11 @@ class Metrics:
     def _histograms(
         self, name: str, documentation: str, buckets: tuple[float, ...], *labelnames: str
     ) -> Family[Histogram]:
-        make = lambda: Histogram(buckets)  # noqa: E731
+        make = functools.partial(Histogram, buckets)
         return self._family(Family("histogram", name, documentation, labelnames, make))
 
     def _family(self, family: Family[S]) -> Family[S]:
-        self._families.families.append(family)
+        self._families.append(family)
         return family
 
 
