@@ -51,7 +51,7 @@ from bench.ab import baseline_server
 from bench.load import LoadSpec, run_in_process
 from bench.procs import ServerProcess
 from bench.service import Measured, drive, load_average, percentile, say
-from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.entries import StartRequest
 from handoff_server.domain.model import (
     DestinationReserved,
     Order,
@@ -63,6 +63,7 @@ from handoff_server.domain.model import (
     TransferTiming,
 )
 from handoff_server.domain.registry import Registry
+from handoff_server.domain.retained import Retained
 from handoff_server.durability.journal import DATABASE, Journal
 from handoff_server.durability.records import JournalRecorder
 from handoff_server.durability.recovery import ReplayClock, recover

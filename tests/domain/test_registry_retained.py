@@ -9,16 +9,18 @@ from collections.abc import Callable
 
 import pytest
 
-from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.entries import Entry, StartRequest
 from handoff_server.domain.model import (
     Canceled,
     Completion,
+    EndCause,
     EngineLost,
     NotFound,
     Order,
     Phase,
     Role,
 )
+from handoff_server.domain.retained import Retained
 from handoff_server.service import convert
 from tests.support.registry import APPLIED, DESTINATION, SOURCE, SUBMITTED, Harness
 
@@ -141,8 +143,10 @@ def test_late_calls_leave_a_retained_handoff_packed_and_unchanged() -> None:
     h.clock.advance(5.0)
     assert h.registry.report_outcome(handoff_id, 4, APPLIED).actions == ()
     assert h.registry.report_outcome(handoff_id, 99, APPLIED).actions == ()
-    assert h.registry.get(handoff_id) is record
-    assert convert.handoff(record) == before
+    after = h.registry.get(handoff_id)
+    assert isinstance(after, Retained)  # still retained, not reopened
+    assert after.record() == record.record()
+    assert convert.handoff(after) == before
     assert record.routed.get(4) is None  # what security.authorize_report reads
 
 
@@ -166,6 +170,40 @@ def test_a_retained_handoff_costs_a_fraction_of_a_live_one() -> None:
     # the proportion does not.
     live = traced_per_handoff(count, h.start)
     assert each < live / 3, (each, live)
+
+
+def test_the_cyclic_collector_does_not_walk_retained_handoffs() -> None:
+    """A full collection walks every object the collector tracks, holding the
+    event loop meanwhile: a retained handoff must add none, or a server at
+    max_retained stalls tens of ms per full collection (bench/RESULTS.md)."""
+    h = Harness(max_retained=10_000, retention_s=86_400.0, default_timeout_s=86_400.0)
+    streams = [h.subscribe(SOURCE), h.subscribe(DESTINATION)]
+
+    def succeed(count: int) -> None:
+        for _ in range(count):
+            handoff_id = h.start()
+            h.succeed(handoff_id)
+            for stream in streams:
+                h.registry.delivery.take(stream)  # written and dropped
+        # A canceled one keeps its own reason beside the usual success.
+        canceled.append(h.start())
+        (cancel,) = h.registry.report_fact(canceled[-1], Canceled(), detail="client gone").actions
+        h.registry.report_outcome(canceled[-1], cancel.action.id, APPLIED)
+        gc.collect()
+
+    canceled: list[str] = []
+    succeed(200)  # first-use allocations: channels, metric children, endings
+    before = len(gc.get_objects())
+    succeed(2000)
+    assert h.registry.retention.count == 2202
+    assert len(gc.get_objects()) - before < 50
+    # Read back, a retained handoff is the one that completed, reasons and all.
+    retained = h.registry.get(canceled[-1])
+    assert isinstance(retained, Retained)
+    assert retained.core.completion is Completion.CANCELED
+    assert [(r.cause, r.detail) for r in retained.reasons] == [
+        (EndCause.FRONTEND_CANCELED, "client gone")
+    ]
 
 
 def traced_per_handoff(count: int, make: Callable[[str], object]) -> float:

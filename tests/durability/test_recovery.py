@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from handoff_server.domain.delivery import Subscription
-from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.entries import Entry, StartRequest
 from handoff_server.domain.model import (
     ALLOWED_OUTCOMES,
     ActionKind,
@@ -44,6 +44,7 @@ from handoff_server.domain.model import (
     TransferTiming,
 )
 from handoff_server.domain.registry import NOT_RECORDING, Registry
+from handoff_server.domain.retained import Retained
 from handoff_server.durability.journal import DATABASE, Journal
 from handoff_server.durability.records import RETAINED, JournalRecorder
 from handoff_server.durability.recovery import ReplayClock, recover
@@ -472,11 +473,7 @@ def internals(registry: Registry) -> dict[str, Any]:
                 entry.cleanup_epoch > 0,
                 entry.trace_context,
             )
-    retained = [
-        r.handoff_id
-        for r in registry.retention._records
-        if registry.handoffs.get(r.handoff_id) is r
-    ]
+    retained = registry.retention.ids()
     return {
         "state": state(registry),
         "entries": entries,

@@ -13,7 +13,7 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.entries import Entry, StartRequest
 from handoff_server.domain.model import (
     ALLOWED_OUTCOMES,
     ActionKind,
@@ -35,6 +35,7 @@ from handoff_server.domain.model import (
     TransferTiming,
 )
 from handoff_server.domain.registry import NOT_RECORDING, Registry
+from handoff_server.domain.retained import Retained
 from handoff_server.durability.journal import DATABASE, FORMAT_VERSION, Journal
 from handoff_server.durability.records import (
     RETAINED,

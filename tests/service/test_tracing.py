@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from handoff_server.domain.delivery import Dispatch
-from handoff_server.domain.entries import Retained, StartRequest
+from handoff_server.domain.entries import StartRequest
 from handoff_server.domain.model import (
     ActionKind,
     Canceled,
@@ -33,6 +33,7 @@ from handoff_server.domain.model import (
     TransferCompleted,
 )
 from handoff_server.domain.registry import Registry
+from handoff_server.domain.retained import Retained
 from handoff_server.durability.journal import Journal
 from handoff_server.durability.records import JournalRecorder
 from handoff_server.durability.recovery import ReplayClock, recover

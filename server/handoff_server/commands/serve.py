@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -80,6 +81,11 @@ def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 async def _serve(settings: config.Settings, shard: ShardIdentity) -> int:
+    # What is loaded by now (modules, gRPC, protobuf's descriptors) lives as
+    # long as the process: the cyclic collector's full collections need not
+    # walk it again each time, and each is a pause of the loop that every
+    # handoff waits out (bench/RESULTS.md).
+    gc.freeze()
     server = Server(settings, shard=shard)
     await server.start()
     stop = asyncio.Event()

@@ -8,8 +8,10 @@ is also pure: no I/O, no clock).
 - ``core``: the state machine of one handoff; every transition is there.
 - ``authorization``: who may report what (which role proves which fact).
 - ``packing``: a completed handoff packed into a few words for retention.
-- ``entries``: what the registry keeps per handoff, and the bookkeeping after
-  the core accepted a call (shared with recovery's rebuild).
+- ``entries``: what the registry keeps per unfinished handoff, and the
+  bookkeeping after the core accepted a call (shared with recovery's rebuild).
+- ``retained``: a completed handoff as the registry keeps it, a plain record
+  the garbage collector need not walk, read back as a ``Retained``.
 - ``retention``: finished handoffs kept for a while, expired and evicted oldest first.
 - ``timers``: the timer heap and the kinds of timer the server sets.
 - ``delivery``: an issued action until its engine acknowledges it: queues,

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from handoff_server.domain.entries import Entry, Retained
+from handoff_server.domain.entries import Entry
 from handoff_server.domain.model import (
     Canceled,
     DestinationReserved,
@@ -29,6 +29,7 @@ from handoff_server.domain.model import (
     TimedOut,
     TransferCompleted,
 )
+from handoff_server.domain.retained import Retained
 
 # The roles that may report each fact; None: the transfer's executor.
 # A fact no role may report is the frontend's (or the server's own).

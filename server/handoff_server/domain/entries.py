@@ -1,5 +1,5 @@
-"""What the registry keeps per handoff: an Entry in full while it can change,
-a Retained record (packed) once it completed, and the request that started it.
+"""What the registry keeps per unfinished handoff: an Entry in full while it
+can change, and the request that started it (a completed one is retained.py's).
 
 The Entry's methods are the bookkeeping after the core accepted a call
 (acknowledge, stamp, route): the registry's call path and recovery's
@@ -9,11 +9,8 @@ rebuild (durability/rebuild.py) both run them, so the two cannot drift.
 from __future__ import annotations
 
 import sys
-from array import array
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 from handoff_server.domain.core import Handoff
 from handoff_server.domain.model import (
@@ -38,7 +35,6 @@ from handoff_server.domain.model import (
     Role,
     TimedOut,
 )
-from handoff_server.domain.packing import Completed, pack
 
 # A transfer's modelled duration extends the deadline, capped so that it
 # stays a representable date however absurd the delay.
@@ -261,116 +257,3 @@ class Entry:
         if kind is not ActionKind.COMPLETE:
             self.routed[action.id] = Routed(now, kind, engines)
         return role, engines, extended
-
-
-class Retained:
-    """A completed handoff, kept for late reports, GetHandoff and id reuse checks.
-
-    Up to max_retained of these live for retention_s each, so a retained
-    handoff keeps a packed core, names shared with every other handoff of its
-    engines, and its times as one bytes object: about a fifth of an Entry. A
-    call that reaches it runs on an unpacked Entry (see unpack).
-    """
-
-    __slots__ = (
-        "core",
-        "source_engine_id",
-        "destination_engine_id",
-        "transfer_executor",
-        "trace",
-        "trace_context",
-        "reasons",
-        "_times",
-    )
-
-    # Nothing is outstanding once complete; read by bindings.authorize_report.
-    routed: ClassVar[Mapping[int, Routed]] = MappingProxyType({})
-    abandoned_at: ClassVar[None] = None
-
-    def __init__(self, entry: Entry) -> None:
-        assert entry.completed_at is not None
-        self.core: Completed = pack(entry.core)
-        self.source_engine_id = entry.source_engine_id
-        self.destination_engine_id = entry.destination_engine_id
-        self.transfer_executor = entry.transfer_executor
-        self.trace = entry.trace
-        self.trace_context = entry.trace_context
-        self.reasons = entry.reasons
-        times = (
-            entry.started_at,
-            entry.deadline,
-            entry.completed_at,
-            entry.timeout_s,
-            *entry.lifecycle_at,
-        )
-        self._times = array("d", times).tobytes()
-
-    @classmethod
-    def restored(
-        cls,
-        core: Completed,
-        source_engine_id: str,
-        destination_engine_id: str,
-        transfer_executor: Role,
-        trace_context: tuple[tuple[str, str], ...],
-        times: list[float],
-        reasons: tuple[EndReason, ...] = (),
-    ) -> Retained:
-        """One as a journal snapshot kept it (recovery): ``times`` are its start,
-        deadline, completion, timeout and lifecycle times, in that order."""
-        retained = cls.__new__(cls)
-        retained.core = core
-        retained.source_engine_id = source_engine_id
-        retained.destination_engine_id = destination_engine_id
-        retained.transfer_executor = transfer_executor
-        retained.trace = None
-        retained.trace_context = trace_context
-        retained.reasons = reasons
-        retained._times = array("d", times).tobytes()
-        return retained
-
-    @property
-    def handoff_id(self) -> str:
-        return self.core.handoff_id
-
-    @property
-    def started_at(self) -> float:
-        return array("d", self._times)[0]
-
-    @property
-    def deadline(self) -> float:
-        return array("d", self._times)[1]
-
-    @property
-    def completed_at(self) -> float:
-        return array("d", self._times)[2]
-
-    @property
-    def timeout_s(self) -> float:
-        return array("d", self._times)[3]
-
-    @property
-    def ended_at(self) -> float:
-        return self.completed_at
-
-    @property
-    def lifecycle_at(self) -> list[float]:
-        return array("d", self._times)[4:].tolist()
-
-    def unpack(self) -> Entry:
-        """The full Entry again, for a call that may change the handoff."""
-        entry = Entry(
-            self.core.unpack(),
-            self.source_engine_id,
-            self.destination_engine_id,
-            self.transfer_executor,
-            self.timeout_s,
-            self.started_at,
-            self.deadline,
-        )
-        entry.completed_at = self.completed_at
-        entry.lifecycle_at = self.lifecycle_at
-        entry.trace = self.trace
-        entry.trace_context = self.trace_context
-        entry.reasons = self.reasons
-        return entry

@@ -30,36 +30,53 @@ class Ending:
     state: Checkpoint  # the core's checkpoint, which holds the two above as well
 
 
-_ENDINGS: dict[Ending, Ending] = {}  # each distinct ending once, shared by all that end so
+# Each distinct ending once, shared by all that end so, and numbered: a
+# packed core names its ending by number, so a retained record can too
+# (retained.RetainedRecord).
+_ENDINGS: list[Ending] = []
+_NUMBERS: dict[Ending, int] = {}
 
 
 def pack(core: Handoff) -> Completed:
     """This completed handoff in a few words, for as long as it is retained."""
     assert core.phase is Phase.COMPLETE, "only a completed handoff is packed"
     return Completed(
-        core.handoff_id, core.fallback_transfer_delay_ms, ending(core.order, core.checkpoint())
+        core.handoff_id,
+        core.fallback_transfer_delay_ms,
+        ending_number(core.order, core.checkpoint()),
     )
 
 
-def ending(order: Order, state: Checkpoint) -> Ending:
-    """The shared Ending of a completed core of ``order`` whose checkpoint is ``state``."""
+def ending_number(order: Order, state: Checkpoint) -> int:
+    """The number of the shared Ending of a completed core of ``order`` whose
+    checkpoint is ``state``."""
     phase, completion, lifecycle, *_ = state
     assert phase is Phase.COMPLETE, "only a completed core ends"
     assert completion is not None, "a completed core has its completion"
     made = Ending(order, completion, lifecycle, state)
-    return _ENDINGS.setdefault(made, made)
+    number = _NUMBERS.get(made)
+    if number is None:
+        number = _NUMBERS[made] = len(_ENDINGS)
+        _ENDINGS.append(made)
+    return number
 
 
 class Completed:
     """A completed handoff as :func:`pack` packs it: reads like one, and
     :meth:`unpack` gives back exactly the core it was packed from."""
 
-    __slots__ = ("handoff_id", "fallback_transfer_delay_ms", "ending")
+    __slots__ = ("handoff_id", "fallback_transfer_delay_ms", "ending_number")
 
-    def __init__(self, handoff_id: str, fallback_transfer_delay_ms: float, ending: Ending) -> None:
+    def __init__(
+        self, handoff_id: str, fallback_transfer_delay_ms: float, ending_number: int
+    ) -> None:
         self.handoff_id = handoff_id
         self.fallback_transfer_delay_ms = fallback_transfer_delay_ms
-        self.ending = ending
+        self.ending_number = ending_number
+
+    @property
+    def ending(self) -> Ending:
+        return _ENDINGS[self.ending_number]
 
     @property
     def order(self) -> Order:

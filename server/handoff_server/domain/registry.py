@@ -30,7 +30,7 @@ from typing import Protocol
 
 from handoff_server.domain.core import Handoff
 from handoff_server.domain.delivery import Delivery, Dispatch, Subscription
-from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.entries import Entry, StartRequest
 from handoff_server.domain.model import (
     CLEANUP_KINDS,
     LOST_EVENT,
@@ -57,6 +57,7 @@ from handoff_server.domain.model import (
     TimedOut,
     Unavailable,
 )
+from handoff_server.domain.retained import Handoffs, Retained, RetainedRecord, readable
 from handoff_server.domain.retention import Retention
 from handoff_server.domain.timers import Timer, TimerHeap, TimerKind
 from handoff_server.ops.config import Settings
@@ -156,10 +157,12 @@ class Registry:
         # A burst of abandonments (a crowd of handoffs whose engine vanished)
         # is one line a second, not one ERROR per handoff.
         self._abandoned = BurstLog(log, logging.ERROR, 1.0, "handoffs abandoned")
-        self.handoffs: dict[str, Entry | Retained] = {}
-        self.retention = Retention(
-            settings, metrics, self.handoffs, lambda: self._on_earlier_timer()
-        )
+        # Every handoff it knows by id: unfinished and abandoned ones as
+        # Entries, completed ones as records (retained.RetainedRecord); read
+        # through self.handoffs, which gives those back as Retained.
+        self._table: dict[str, Entry | RetainedRecord] = {}
+        self.handoffs = Handoffs(self._table)
+        self.retention = Retention(settings, metrics, self._table, lambda: self._on_earlier_timer())
         self._timers = TimerHeap(self._timer_is_live)
         self.delivery = Delivery(settings, metrics, clock, self._schedule)
         # What the server does on its own after a call, each a call of its own.
@@ -202,13 +205,31 @@ class Registry:
     @property
     def active_count(self) -> int:
         """Handoffs not complete: active or cleaning up."""
-        return len(self.handoffs) - self.retention.count
+        return len(self._table) - self.retention.count
 
     def get(self, handoff_id: str) -> Entry | Retained:
-        entry = self.handoffs.get(handoff_id)
+        entry = self._find(handoff_id)
         if entry is None:
             raise NotFound("no such handoff (never started, or no longer retained)")
         return entry
+
+    def _find(self, handoff_id: str) -> Entry | Retained | None:
+        kept = self._table.get(handoff_id)
+        return None if kept is None else readable(kept)
+
+    def census(self) -> tuple[dict[Phase, int], int]:
+        """How many handoffs it holds in each phase, and how many abandoned
+        ones it keeps for GetHandoff (counted in no phase)."""
+        phases = dict.fromkeys(Phase, 0)
+        abandoned = 0
+        for kept in self._table.values():
+            if not isinstance(kept, Entry):
+                phases[Phase.COMPLETE] += 1  # a retained record
+            elif kept.abandoned_at is not None:
+                abandoned += 1
+            else:
+                phases[kept.core.phase] += 1
+        return phases, abandoned
 
     def next_wakeup(self) -> float | None:
         if self._losing:
@@ -237,7 +258,7 @@ class Registry:
         timeout = (
             self.settings.default_timeout_s if request.timeout_s is None else request.timeout_s
         )
-        known = self.handoffs.get(request.handoff_id)
+        known = self._find(request.handoff_id)
         if known is not None:
             _same_start(known, request, timeout)
             return CallResult(known, (), already_started=True)
@@ -256,7 +277,7 @@ class Registry:
                     f"is {self.settings.max_queued_actions_per_engine}"
                 )
         entry = Entry.started(request, timeout, now)
-        self.handoffs[request.handoff_id] = entry
+        self._table[request.handoff_id] = entry
         self.metrics.started.inc()
         self.metrics.handoffs_by[Phase.ACTIVE].inc()
         self._schedule(entry.deadline, TimerKind.DEADLINE, request.handoff_id, entry.deadline)
@@ -301,9 +322,7 @@ class Registry:
     def cancel_active(self, reason: str) -> int:
         """Report Canceled on every ACTIVE handoff (shutdown); how many there were."""
         active = [
-            e
-            for e in self.handoffs.values()
-            if isinstance(e, Entry) and e.core.phase is Phase.ACTIVE
+            e for e in self._table.values() if isinstance(e, Entry) and e.core.phase is Phase.ACTIVE
         ]
         for entry in active:
             log.warning("canceling handoff: %s", reason, extra={"handoff_id": entry.handoff_id})
@@ -365,7 +384,7 @@ class Registry:
         self.retention.expire(now)
         lost: dict[str, set[Role]] = {}
         for handoff_id, role in freed:
-            entry = self.handoffs.get(handoff_id)
+            entry = self._table.get(handoff_id)
             if (
                 isinstance(entry, Entry)
                 and entry.abandoned_at is None
@@ -383,7 +402,7 @@ class Registry:
         return releases, sum(len(roles) for roles in lost.values())
 
     def _release_reason(self, engine_id: str, handoff_id: str, role: Role) -> ReleaseReason | None:
-        entry = self.handoffs.get(handoff_id)
+        entry = self._find(handoff_id)
         if entry is None or _engine_of(entry, role) != engine_id:
             return ReleaseReason.UNKNOWN_HANDOFF
         core = entry.core
@@ -423,7 +442,7 @@ class Registry:
         elif kind is TimerKind.FORGET:
             self.delivery.forget(key)
         else:
-            entry = self.handoffs[key]
+            entry = self._table[key]
             assert isinstance(entry, Entry), "only unfinished handoffs have live timers"
             if kind is TimerKind.DEADLINE:
                 log.warning("handoff deadline passed", extra={"handoff_id": key})
@@ -439,7 +458,7 @@ class Registry:
         kind = timer.kind
         if kind in ENGINE_TIMERS:
             return self.delivery.timer_is_live(timer)
-        entry = self.handoffs.get(timer.key)
+        entry = self._table.get(timer.key)
         if not isinstance(entry, Entry) or entry.abandoned_at is not None:
             return False  # gone, retained or abandoned: no timers any more
         if kind is TimerKind.DEADLINE:
@@ -574,7 +593,7 @@ class Registry:
         handoff_id, action_id = entry.handoff_id, action.id
 
         def settle() -> None:
-            settled = self.handoffs.get(handoff_id)
+            settled = self._table.get(handoff_id)
             if isinstance(settled, Entry) and settled.core.is_outstanding(action_id):
                 log.debug(
                     "%s#%d settled by the server: nothing was ever sent to engine %s",
@@ -702,7 +721,7 @@ class Registry:
         affected = [
             entry
             for handoff_id in sorted(lost)
-            if isinstance(entry := self.handoffs.get(handoff_id), Entry)
+            if isinstance(entry := self._table.get(handoff_id), Entry)
             and entry.abandoned_at is None
             and entry.core.phase is not Phase.COMPLETE
         ]
@@ -732,7 +751,7 @@ class Registry:
                 engine_id, handoff_ids, lost, cause = self._losing[0]
                 for handoff_id in itertools.islice(handoff_ids, budget):
                     budget -= 1
-                    entry = self.handoffs.get(handoff_id)
+                    entry = self._table.get(handoff_id)
                     if isinstance(entry, Entry) and entry.abandoned_at is None:
                         self._lose_one(engine_id, entry, lost[handoff_id], cause)
                 if budget:
@@ -787,7 +806,7 @@ class Registry:
 
     def _redelivered(self, dispatch: Dispatch) -> None:
         """An unacknowledged action goes out again."""
-        entry = self.handoffs.get(dispatch.handoff_id)
+        entry = self._find(dispatch.handoff_id)
         if entry is not None:
             self.tracer.redelivered(entry, dispatch)
 
@@ -821,7 +840,7 @@ class Registry:
     def abandon(self, handoff_id: str) -> None:
         """Abandon a handoff still cleaning up now, as its cleanup timer would
         (recovery replays an abandonment with it)."""
-        entry = self.handoffs[handoff_id]
+        entry = self._table[handoff_id]
         assert isinstance(entry, Entry), "only a handoff still cleaning up is abandoned"
         self._abandon(entry, self.clock())
 
@@ -846,8 +865,8 @@ class Registry:
         began; its outstanding actions ``written`` once to their engines, and
         the (engine, role) pairs its actions ``reached``."""
         handoff_id = entry.handoff_id
-        assert handoff_id not in self.handoffs, "recovery adopts each handoff once"
-        self.handoffs[handoff_id] = entry
+        assert handoff_id not in self._table, "recovery adopts each handoff once"
+        self._table[handoff_id] = entry
         if entry.core.phase is Phase.ACTIVE:
             self._schedule(entry.deadline, TimerKind.DEADLINE, handoff_id, entry.deadline)
         else:
@@ -858,7 +877,7 @@ class Registry:
     def restore(self, retained: Retained) -> bool:
         """Keep a completed handoff as a journal snapshot brought it back
         (recovery); False if its id is taken, and nothing changed."""
-        if retained.handoff_id in self.handoffs:
+        if retained.handoff_id in self._table:
             return False
         self.metrics.handoffs_by[Phase.COMPLETE].inc()
         self.retention.keep(retained)

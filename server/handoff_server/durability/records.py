@@ -24,20 +24,17 @@ from handoff_server.domain.core import (
     SourceStage,
     TransferStage,
 )
-from handoff_server.domain.entries import ONLY_SUCCEEDED, Retained, StartRequest
+from handoff_server.domain.entries import StartRequest
 from handoff_server.domain.model import (
     UNSPECIFIED_END,
-    ActionKind,
     Canceled,
     Completion,
     DestinationReserved,
-    EndCause,
     EndReason,
     EngineLost,
     Fact,
     Failed,
     LifecycleEvent,
-    LostCause,
     Order,
     Outcome,
     OutcomeKind,
@@ -49,8 +46,9 @@ from handoff_server.domain.model import (
     TransferCompleted,
     TransferTiming,
 )
-from handoff_server.domain.packing import Completed, Ending
+from handoff_server.domain.packing import Completed
 from handoff_server.domain.registry import Recorded
+from handoff_server.domain.retained import Retained, reason_record, reasons_of
 from handoff_server.durability.journal import Journal
 
 ABANDONED = "abandoned"  # a record of its own: the cleanup timer's doing, not a call's
@@ -79,7 +77,7 @@ def encode(call: Recorded, reason: EndReason | None = None) -> list[object]:
     """A call's record; a fact's ends with ``reason`` if the registry gave one."""
     body = _encode(call)
     if reason is not None and not isinstance(call, (tuple, StartRequest)):
-        body.append(_reason(reason))
+        body.append(reason_record(reason))
     return body
 
 
@@ -158,43 +156,19 @@ def encode_retained(retained: Retained) -> list[object]:
         [destination[0].value, destination[1].value, destination[2]],
         [transfer[0].value, transfer[1]],
         next_id,
-        [_reason(reason) for reason in retained.reasons],
-    ]
-
-
-def _reason(reason: EndReason) -> list[Any]:
-    return [
-        reason.cause.value,
-        None if reason.role is None else reason.role.value,
-        reason.engine_id,
-        None if reason.lost_cause is None else reason.lost_cause.value,
-        None if reason.action is None else reason.action.value,
-        reason.detail,
+        [reason_record(reason) for reason in retained.reasons],
     ]
 
 
 def _reasons(body: list[list[Any]]) -> tuple[EndReason, ...]:
     """The reasons a format 3 row keeps; a format 2 row has none (unspecified)."""
-    if not body:
-        return (UNSPECIFIED_END,)
-    reasons = tuple(
-        EndReason(
-            EndCause(cause),
-            None if role is None else Role(role),
-            sys.intern(engine_id),
-            None if lost is None else LostCause(lost),
-            None if action is None else ActionKind(action),
-            detail,
-        )
-        for cause, role, engine_id, lost, action, detail in body
-    )
-    return ONLY_SUCCEEDED if reasons == ONLY_SUCCEEDED else reasons
+    return reasons_of(body) if body else (UNSPECIFIED_END,)
 
 
 ENDING_FIELDS = 6  # completion, lifecycle, source, destination, transfer, next id
 
 
-def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]) -> Retained:
+def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, int]) -> Retained:
     """The retained handoff a ``retained`` record was written from.
 
     ``endings`` caches each distinct ending by its text: a hundred thousand
@@ -206,11 +180,11 @@ def decode_retained(handoff_id: str, body: list[Any], endings: dict[str, Ending]
     )
     reasons = _reasons(end.pop() if len(end) > ENDING_FIELDS else [])
     key = f"{order} {end!r}"
-    shared = endings.get(key)
-    if shared is None:
-        shared = endings[key] = packing.ending(Order(order), _ending(*end))
+    number = endings.get(key)
+    if number is None:
+        number = endings[key] = packing.ending_number(Order(order), _ending(*end))
     return Retained.restored(
-        Completed(handoff_id, fallback, shared),
+        Completed(handoff_id, fallback, number),
         sys.intern(source_id),
         sys.intern(destination_id),
         Role(executor),

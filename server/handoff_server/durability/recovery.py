@@ -34,7 +34,6 @@ from handoff_server.domain.model import (
     Phase,
     Role,
 )
-from handoff_server.domain.packing import Ending
 from handoff_server.domain.registry import Recorded, Registry
 from handoff_server.durability.journal import Journal
 from handoff_server.durability.rebuild import Rebuild, Row, numbered
@@ -131,13 +130,7 @@ def recover(
             clock() + settings.delivery_timeout_s + settings.cleanup_redelivery_s
         )
     live_metrics = registry.metrics
-    phases = dict.fromkeys(Phase, 0)
-    abandoned = 0
-    for entry in registry.handoffs.values():
-        if isinstance(entry, Entry) and entry.abandoned_at is not None:
-            abandoned += 1  # kept for GetHandoff, counted in no phase
-        else:
-            phases[entry.core.phase] += 1
+    phases, abandoned = registry.census()
     for phase, count in phases.items():
         live_metrics.handoffs_by[phase].set(count)
     recovery = Recovery(
@@ -202,7 +195,7 @@ class Replay:
         # Each distinct body's call, by its text: outcomes and facts repeat a
         # few ways across a journal, so each is decoded once.
         self.calls: dict[str, Recorded | Explained] = {}
-        self.endings: dict[str, Ending] = {}
+        self.endings: dict[str, int] = {}  # records.decode_retained's
 
     def row(self, row: Row) -> None:
         seq, handoff_id, at, text = row

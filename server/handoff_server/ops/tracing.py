@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer as OtelTracer
 
     from handoff_server.domain.delivery import Dispatch
-    from handoff_server.domain.entries import Entry, Retained
+    from handoff_server.domain.entries import Entry
+    from handoff_server.domain.retained import Retained
 
 log = logging.getLogger("handoff.tracing")
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from handoff_server.domain import authorization
 from handoff_server.domain.authorization import UNBOUND, Binding
-from handoff_server.domain.entries import Entry, Retained
+from handoff_server.domain.entries import Entry
 from handoff_server.domain.model import Fact
+from handoff_server.domain.retained import Retained
 from handoff_server.service.security import SAN_PROPERTIES, EngineIdentities, Token, TokenSet
 
 

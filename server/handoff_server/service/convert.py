@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from handoff_proto.v1 import coordinator_pb2 as pb
 from handoff_server.domain.delivery import Dispatch
-from handoff_server.domain.entries import Entry, Retained, StartRequest
+from handoff_server.domain.entries import Entry, StartRequest
 from handoff_server.domain.model import (
     MAX_HANDOFF_TIMEOUT_S,
     Action,
@@ -41,6 +41,7 @@ from handoff_server.domain.model import (
     TransferCompleted,
     TransferTiming,
 )
+from handoff_server.domain.retained import Retained
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Already canonical: uuid.UUID would parse it only to print it back unchanged.
