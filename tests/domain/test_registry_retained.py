@@ -196,7 +196,7 @@ def test_the_cyclic_collector_does_not_walk_retained_handoffs() -> None:
     before = len(gc.get_objects())
     succeed(2000)
     assert h.registry.retention.count == 2202
-    assert len(gc.get_objects()) - before < 50
+    assert len(gc.get_objects()) - before < 200  # was two per handoff: 4,000
     # Read back, a retained handoff is the one that completed, reasons and all.
     retained = h.registry.get(canceled[-1])
     assert isinstance(retained, Retained)
