@@ -67,6 +67,17 @@ class Where:
                 self.counts[(counted, where)] += 1
 
 
+def longest_run(numbers: list[int]) -> int:
+    """The most consecutive numbers in the ascending ``numbers``."""
+    longest = run = 0
+    previous = None
+    for number in numbers:
+        run = run + 1 if previous is not None and number == previous + 1 else 1
+        longest = max(longest, run)
+        previous = number
+    return longest
+
+
 def wal_bytes(state_dir: Path) -> int:
     wal = state_dir / f"{DATABASE}-wal"
     return wal.stat().st_size if wal.exists() else 0
@@ -124,9 +135,16 @@ async def test_normal_commits_on_the_loop_and_checkpoints_beside_them(tmp_path: 
         # Only those commits began the WAL again (the file shrinks then).
         shrinks = sum(after < before for before, after in itertools.pairwise(sizes))
         assert shrinks == journal.checkpoints
-        # Bounded: past its size by what is committed while a copy runs, and a
-        # checkpoint brings the file back to one commit's size.
-        assert max(sizes) < 2 * CHECKPOINT_BYTES, max(sizes)
+        # Bounded: past its size by what is committed while a copy runs (as
+        # many commits as the loop makes meanwhile: more when this machine is
+        # busy and the copy's thread waits), and a checkpoint brings the file
+        # back to one commit's size.
+        growth = max(after - before for before, after in itertools.pairwise(sizes))
+        assert max(sizes) <= CHECKPOINT_BYTES + (longest_run(beside) + 2) * growth, (
+            max(sizes),
+            longest_run(beside),
+            growth,
+        )
         assert min(sizes[300:]) < 64 * 1024, min(sizes[300:])
     finally:
         await journal.close()
