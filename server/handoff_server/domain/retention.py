@@ -1,9 +1,10 @@
 """Retention: finished handoffs kept for retention_s, oldest first, at most max_retained.
 
 A completed handoff is kept as its record (retained.RetainedRecord), an
-abandoned one as its Entry (rare, and shown with what it left outstanding), so that late reports
-are answered, a decode-phase cancel can still reopen it, its id cannot be
-reused with other parameters, and GetHandoff says what happened.
+abandoned one as its Entry (rare, and shown with what it left outstanding),
+so that late reports are answered, a decode-phase cancel can still reopen
+it, its id cannot be reused with other parameters, and GetHandoff says what
+happened.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Retention:
         oldest = self._oldest()
         if oldest is None:
             return None
-        ended = oldest.ended_at if isinstance(oldest, Entry) else oldest[1]
+        ended = oldest.ended_at if isinstance(oldest, Entry) else oldest[1]  # completed at
         return None if ended is None else ended + self.settings.retention_s
 
     def expire(self, now: float) -> None:
