@@ -111,15 +111,38 @@ class Retained:
     ) -> Retained:
         """One as a journal snapshot kept it (recovery): ``times`` are its start,
         deadline, completion, timeout and lifecycle times, in that order."""
+        return cls._of(
+            core,
+            source_engine_id,
+            destination_engine_id,
+            transfer_executor,
+            None,
+            trace_context,
+            reasons,
+            array("d", times).tobytes(),
+        )
+
+    @classmethod
+    def _of(
+        cls,
+        core: Completed,
+        source_engine_id: str,
+        destination_engine_id: str,
+        transfer_executor: Role,
+        trace: object,
+        trace_context: tuple[tuple[str, str], ...],
+        reasons: tuple[EndReason, ...],
+        times: bytes,
+    ) -> Retained:
         retained = cls.__new__(cls)
         retained.core = core
         retained.source_engine_id = source_engine_id
         retained.destination_engine_id = destination_engine_id
         retained.transfer_executor = transfer_executor
-        retained.trace = None
+        retained.trace = trace
         retained.trace_context = trace_context
         retained.reasons = reasons
-        retained._times = array("d", times).tobytes()
+        retained._times = times
         return retained
 
     def record(self) -> RetainedRecord:
@@ -157,16 +180,16 @@ class Retained:
             reasons,
             times,
         ) = record
-        retained = cls.__new__(cls)
-        retained.core = Completed(handoff_id, fallback, ending_number)
-        retained.source_engine_id = source
-        retained.destination_engine_id = destination
-        retained.transfer_executor = Role(executor)
-        retained.trace = trace
-        retained.trace_context = context
-        retained.reasons = reasons_of(reasons)
-        retained._times = times
-        return retained
+        return cls._of(
+            Completed(handoff_id, fallback, ending_number),
+            source,
+            destination,
+            Role(executor),
+            trace,
+            context,
+            reasons_of(reasons),
+            times,
+        )
 
     @property
     def handoff_id(self) -> str:
